@@ -1,0 +1,30 @@
+# One place that installs what the project needs. Every target bootstraps the venv first, so the
+# README's two commands work on a fresh clone of a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: setup speedrun test test-slow bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+speedrun: setup
+	$(VENV)/bin/opencomposer speedrun
+
+test: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/sandbox.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

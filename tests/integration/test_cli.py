@@ -1,0 +1,57 @@
+"""The CLI end to end, as a user runs it: sandbox run / fork-demo / doctor, and a small speedrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+BIN = [sys.executable, "-m", "opencomposer.cli"]
+
+
+def cli(*args, cwd=None, timeout=300):
+    return subprocess.run([*BIN, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def test_sandbox_run(repo):
+    r = cli("sandbox", "run", "--workspace", str(repo), "--", "sh", "-c", "ls; echo hi > new; exit 3")
+    assert r.returncode == 3 and "test_calc.py" in r.stdout
+    assert not (repo / "new").exists()
+    r = cli("sandbox", "run", "--workspace", str(repo), "--timeout", "0.5", "--", "sleep", "10")
+    assert r.returncode == 137 and "killed by timeout" in r.stderr
+    r = cli("sandbox", "run", "--workspace", str(repo / "missing"), "--", "true")
+    assert r.returncode == 2 and "workspace directory not found" in r.stderr
+    r = cli("sandbox", "run", "--workspace", str(repo), "--limits.memory_mb=64", "--", "python3", "-c",
+            "bytearray(300 << 20)")
+    assert r.returncode != 0
+    r = cli("sandbox", "run", "--workspace", str(repo), "--limits.nope=1", "--", "true")
+    assert r.returncode != 0 and "unknown key" in r.stderr
+
+
+def test_fork_demo(repo):
+    r = cli("sandbox", "fork-demo", "--workspace", str(repo))
+    assert r.returncode == 0, r.stderr
+    assert "child 2" in r.stdout and "restored from snapshot" in r.stdout
+
+
+def test_doctor_json():
+    r = cli("sandbox", "doctor", "--json")
+    checks = json.loads(r.stdout)
+    names = {c["feature"]: c["enforced"] for c in checks}
+    assert names["all capabilities dropped"] and names["network: loopback only"]
+    assert r.returncode == (0 if all(names.values()) else 1)
+
+
+def test_speedrun_small(tmp_path):
+    r = cli("speedrun", f"--out_dir={tmp_path}", "--sandbox.latency_samples=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = list(tmp_path.iterdir())
+    summary = json.loads((run / "sandbox" / "summary.json").read_text())
+    assert summary["tests_in_sandbox"]["ok"]
+    assert summary["fork_demo"]["broken_child_fails"] and summary["fork_demo"]["clean_child_passes"]
+    report = (run / "report.md").read_text()
+    assert "## Sandbox" in report and "create + exec" in report
+    events = [json.loads(x)["event"] for x in (run / "events.jsonl").read_text().splitlines()]
+    assert events == ["stage_start", "stage_end"]

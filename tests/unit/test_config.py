@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from opencomposer.core.config import ConfigError, load_config, parse_override, to_dict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Inner:
+    lr: float = 1e-3
+    name: str = "x"
+    mode: Literal["a", "b"] = "a"
+    sizes: tuple[int, ...] = (1, 2)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outer:
+    steps: int = 10
+    out: Path = Path("runs")
+    limit: int | None = None
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_defaults_toml_and_overrides(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text('steps = 5\n[inner]\nname = "y"\nsizes = [3, 4]\n')
+    cfg = load_config(Outer, p, ["--inner.lr=0.5", "--limit=7", "--inner.mode=b", "--out=/x"])
+    assert cfg.steps == 5 and cfg.inner.name == "y" and cfg.inner.sizes == (3, 4)
+    assert cfg.inner.lr == 0.5 and cfg.limit == 7 and cfg.inner.mode == "b" and cfg.out == Path("/x")
+    with pytest.raises(AttributeError):
+        cfg.steps = 1  # frozen
+
+
+def test_unknown_keys_are_rejected_with_the_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) stpes; known: inner, limit, out, steps"):
+        load_config(Outer, None, ["--stpes=3"])
+    with pytest.raises(ConfigError, match="inner: unknown key"):
+        load_config(Outer, None, ["--inner.nope=1"])
+
+
+@pytest.mark.parametrize("ov,msg", [
+    ("--steps=1.5", "expected an integer"),
+    ("--steps=true", "expected an integer"),
+    ("--inner.mode=c", "not one of"),
+    ("--inner.sizes=[1, 'a']", "expected an integer"),
+    ("--inner=3", "expected a table"),
+])
+def test_type_errors(ov, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(Outer, None, [ov])
+
+
+def test_override_parsing():
+    assert parse_override("--a.b=1") == ("a.b", 1)
+    assert parse_override("--a=hello world") == ("a", "hello world")
+    assert parse_override("--a=[1,2]") == ("a", [1, 2])
+    with pytest.raises(ConfigError):
+        parse_override("--a")
+    with pytest.raises(ConfigError):
+        parse_override("--a..b=1")
+
+
+def test_missing_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(Outer, tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(Outer, bad)
+
+
+def test_to_dict_round_trip():
+    cfg = load_config(Outer, None, ["--inner.lr=2"])
+    d = to_dict(cfg)
+    assert d["inner"]["lr"] == 2.0 and d["out"] == "runs"
+    from opencomposer.core.config import from_dict
+
+    assert from_dict(Outer, d) == cfg
