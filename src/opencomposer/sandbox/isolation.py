@@ -132,13 +132,16 @@ def bwrap_argv(
         "--unshare-all", "--unshare-user", "--disable-userns",
         "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
         "--hostname", "sandbox", "--new-session", "--cap-drop", "ALL", "--clearenv",
+        # /tmp first: binds below may live under the host's /tmp (a venv in a checkout there) and
+        # must land on top of the private tmpfs, not under it.
+        "--size", str(cfg.limits.tmp_mb << 20), "--tmpfs", "/tmp",
         *system_args(),
     ]
     for p in cfg.ro_binds:
         argv += ["--ro-bind", p, p]
     for src, dst in extra_ro:
         argv += ["--ro-bind", src, dst]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += mount_args
     argv += ["--chdir", cfg.workdir]
     for k, v in env.items():
