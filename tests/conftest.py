@@ -45,3 +45,26 @@ def workspace(repo):
 def sandbox(workspace):
     with workspace.sandbox() as sb:
         yield sb
+
+
+def make_buggy_repo(root: Path) -> Path:
+    """A real git repository whose `add` is wrong and whose test says so (the harness fixture)."""
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "calc.py").write_text("def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n")
+    (root / "test_calc.py").write_text(
+        "from pkg.calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_mul():\n    assert mul(2, 3) == 6\n")
+    (root / "AGENTS.md").write_text("Run the tests with `python -m pytest -q -p no:cacheprovider`.\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
+           "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
+    subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
+    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True, env=env)
+    subprocess.run(["git", "-C", str(root), "commit", "-qm", "calc"], check=True, env=env)
+    return root
+
+
+@pytest.fixture
+def buggy_repo(tmp_path: Path) -> Path:
+    return make_buggy_repo(tmp_path / "buggy")

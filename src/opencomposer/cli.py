@@ -122,6 +122,63 @@ def cmd_sandbox_reap(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_agent(ns: argparse.Namespace, extra: list[str]) -> int:
+    import subprocess
+
+    from rich.console import Console
+
+    from opencomposer.core.config import load_config
+    from opencomposer.harness.agent import Agent, AgentConfig
+    from opencomposer.harness.index import CodeIndex
+    from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
+    from opencomposer.harness.policy import PolicyError
+    from opencomposer.sandbox.base import SandboxError
+    from opencomposer.sandbox.local import Workspace
+
+    con = Console(stderr=True)
+    cfg = load_config(AgentConfig, ns.config, _overrides(ns, extra))
+    repo = Path(ns.repo).resolve()
+    try:
+        base_url, model = resolve_model(ns.model, ns.model_name)
+        policy = OpenAIPolicy(base_url=base_url, model=model, temperature=ns.temperature)
+    except PolicyError as e:
+        con.print(f"[red]error:[/] {e}")
+        return 2
+
+    def show(kind: str, p: dict) -> None:
+        if kind == "assistant" and p["content"]:
+            con.print(f"[bold cyan]assistant[/] {p['content'][:2000]}")
+        elif kind == "tool_call":
+            con.print(f"[yellow]-> {p['name']}[/] {p['arguments'][:300]}")
+        elif kind == "tool_result":
+            first = (p["content"].splitlines() or [""])[0][:200]
+            con.print(f"   [{'green' if p['ok'] else 'red'}]{'ok' if p['ok'] else 'error'}[/] {first}")
+        elif kind == "summary":
+            con.print(f"[magenta]context reset ({p['mode']}) at {p['tokens_before']} tokens[/]")
+
+    try:
+        with Workspace(repo) as ws, ws.sandbox() as sb:
+            agent = Agent(policy, sb, cfg, index=CodeIndex.build(repo, workdir=sb.config.workdir), on_event=show)
+            traj = agent.run(ns.prompt)
+    except (SandboxError, ValueError) as e:
+        con.print(f"[red]error:[/] {e}")
+        return 2
+    out = Path(ns.out) / f"agent-{traj.id}"
+    traj.save(out / "trajectory.json")
+    (out / "trajectory.atif.json").write_text(json.dumps(traj.to_atif(), indent=1))
+    con.print(f"stop: {traj.stop_reason}; turns {traj.turns}; tool errors {traj.tool_errors}; "
+              f"tokens {traj.prompt_tokens}+{traj.completion_tokens}; trajectory {out}")
+    print(traj.diff, end="")
+    if ns.apply and traj.diff:
+        r = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], input=traj.diff.encode(), cwd=repo,
+                           capture_output=True)
+        if r.returncode != 0:
+            con.print(f"[red]could not apply the diff:[/] {r.stderr.decode().strip()}")
+            return 1
+        con.print(f"[green]applied to {repo}[/]")
+    return 0 if traj.stop_reason == "done" else 1
+
+
 def cmd_report(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer import report
     from opencomposer.core.rundir import RunDir
@@ -156,6 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_sandbox_doctor)
     rp = sb.add_parser("reap", help="remove what crashed owners left behind")
     rp.set_defaults(fn=cmd_sandbox_reap)
+
+    ag = sub.add_parser("agent", help="run the agent on a repository in a sandbox; print (and --apply) its diff")
+    ag.add_argument("prompt")
+    ag.add_argument("--repo", default=".")
+    ag.add_argument("--model", default=None,
+                    help="base URL of an OpenAI-compatible server (…/v1) or a model name (with $OPENAI_BASE_URL)")
+    ag.add_argument("--model-name", default=None, help="model name at that server (default: its first model)")
+    ag.add_argument("--temperature", type=float, default=0.2)
+    ag.add_argument("--apply", action="store_true", help="apply the resulting diff to --repo")
+    ag.add_argument("--out", default="runs", help="where the trajectory is saved")
+    ag.add_argument("-c", "--config", help="TOML with AgentConfig fields")
+    ag.set_defaults(fn=cmd_agent)
 
     rep = sub.add_parser("report", help="(re)write the report card of a run folder")
     rep.add_argument("run_dir")

@@ -1,0 +1,247 @@
+"""The agent loop: messages -> policy -> tool calls (in parallel) -> observations -> ... until the
+policy answers without tool calls or a limit is reached. One loop for the CLI agent, evals and RL.
+
+Context management (report §3.3). Before each policy call the context size is checked against
+`ContextConfig.budget_tokens * trigger`. When it is over:
+
+- `self` (Composer's self-summarisation): a summarise request is appended, the *policy itself*
+  writes the summary (it may think in a scratchpad first), and the context is replaced by the task,
+  the summary, the remaining todos and the number of earlier summaries. The summary tokens belong
+  to the segment that ends there, so RL rewards good summaries through the final reward.
+- `prompted` (the baseline): a separate summariser call with a fixed prompt writes the summary from
+  a transcript; its tokens are not part of any segment.
+- `truncate`: old tool outputs are replaced by a placeholder (the naive baseline).
+
+Each reset ends a segment; a segment's completions were all generated from prefixes of its
+messages, which is what makes every segment trainable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from opencomposer.harness import prompt
+from opencomposer.harness.policy import Completion, Policy, PolicyError
+from opencomposer.harness.tools import ToolConfig, ToolContext, build_toolset
+from opencomposer.harness.tools.shell import render_todos
+from opencomposer.harness.trajectory import Segment, ToolCallRecord, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContextConfig:
+    budget_tokens: int = 32_768
+    """The context the policy serves; the trigger fires before it is reached."""
+    trigger: float = 0.8
+    """Fraction of the budget at which the context is reset."""
+    mode: Literal["self", "prompted", "truncate"] = "self"
+    max_resets: int = 16
+    chars_per_token: float = 3.5
+    """Estimate used when the server reports no token usage."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentConfig:
+    max_turns: int = 50
+    max_total_tokens: int | None = None
+    """Prompt plus completion tokens over all calls."""
+    max_wall_s: float | None = 3600.0
+    max_cost_usd: float | None = None
+    parallel_tool_calls: bool = True
+    max_parallel: int = 8
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+
+
+Event = Callable[[str, dict], None]
+
+
+class Agent:
+    def __init__(self, policy: Policy, sandbox: Any, config: AgentConfig | None = None, *, index: Any = None,
+                 summarizer: Policy | None = None, on_event: Event | None = None):
+        self.policy = policy
+        self.sandbox = sandbox
+        self.config = config or AgentConfig()
+        self.toolset = build_toolset(self.config.tools)
+        self.index = index
+        self.summarizer = summarizer
+        self.on_event = on_event or (lambda kind, payload: None)
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, task: str, *, history: Sequence[str] = (), recent: Sequence[str] | None = None) -> Trajectory:
+        if not task or not task.strip():
+            raise ValueError("empty task")
+        cfg = self.config
+        traj = Trajectory(id=uuid.uuid4().hex[:12], task=task, policy=self.policy.name,
+                          workspace=str(getattr(getattr(self.sandbox, "workspace", None), "source", "")))
+        if hasattr(self.sandbox, "start_server"):
+            self.sandbox.start_server()
+        traj.extra["git_initialized"] = ensure_git_baseline(self.sandbox)
+        ctx = ToolContext(self.sandbox, cfg.tools, self.index)
+        rules = prompt.read_rules(self.sandbox)
+        recent = list(recent) if recent is not None else prompt.recent_files(self.sandbox)
+        system = prompt.system_message(self.sandbox.config.workdir, rules)
+        messages = [system, prompt.task_message(task, recent=recent, history=history)]
+        schemas = self.toolset.schemas()
+        seg = Segment(0)
+        t0 = time.monotonic()
+        context_tokens = self._estimate(messages)
+        while True:
+            stop = self._limit(traj, t0)
+            if stop:
+                traj.stop_reason = stop
+                break
+            if context_tokens > cfg.context.budget_tokens * cfg.context.trigger:
+                if len(traj.summaries) >= cfg.context.max_resets:
+                    traj.stop_reason = "context_resets_exhausted"
+                    break
+                messages, seg = self._reset(messages, seg, traj, ctx, system, task, history, context_tokens)
+                context_tokens = self._estimate(messages)
+                continue
+            comp = self._call(messages, schemas, traj, seg)
+            if comp is None:
+                break
+            messages.append(comp.to_message())
+            self.on_event("assistant", {"content": comp.content, "tool_calls": len(comp.tool_calls)})
+            if not comp.tool_calls:
+                traj.final_message = comp.content
+                traj.stop_reason = "done"
+                break
+            new = self._run_tools(comp, ctx, traj, seg.index)
+            messages += new
+            context_tokens = (comp.usage.total if comp.usage.total else self._estimate(messages[:-len(new)])) \
+                + self._estimate(new)
+        seg.messages = messages
+        seg.ended_by = traj.stop_reason
+        traj.segments.append(seg)
+        traj.todos = [dict(t) for t in ctx.todos]
+        traj.diff = final_diff(self.sandbox)
+        traj.ended_at = time.time()
+        self.on_event("done", {"stop_reason": traj.stop_reason})
+        return traj
+
+    # ------------------------------------------------------------------------------------------
+    def _limit(self, traj: Trajectory, t0: float) -> str | None:
+        cfg = self.config
+        if traj.turns >= cfg.max_turns:
+            return "max_turns"
+        if cfg.max_total_tokens is not None and traj.prompt_tokens + traj.completion_tokens >= cfg.max_total_tokens:
+            return "max_tokens"
+        if cfg.max_wall_s is not None and time.monotonic() - t0 >= cfg.max_wall_s:
+            return "max_wall_time"
+        if cfg.max_cost_usd is not None and traj.cost_usd >= cfg.max_cost_usd:
+            return "max_cost"
+        return None
+
+    def _estimate(self, messages: Sequence[dict]) -> int:
+        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
+        return int(chars / self.config.context.chars_per_token)
+
+    def _call(self, messages: list[dict], tools: list[dict], traj: Trajectory, seg: Segment | None,
+              policy: Policy | None = None) -> Completion | None:
+        policy = policy or self.policy
+        t = time.perf_counter()
+        try:
+            comp = policy.complete(messages, tools)
+        except PolicyError as e:
+            traj.stop_reason = f"policy_error: {e}"
+            log.warning("policy error: %s", e)
+            return None
+        traj.policy_seconds += time.perf_counter() - t
+        traj.turns += 1
+        traj.prompt_tokens += comp.usage.prompt_tokens
+        traj.completion_tokens += comp.usage.completion_tokens
+        traj.cost_usd += comp.cost_usd
+        if seg is not None:
+            seg.completions.append(comp.to_dict())
+        return comp
+
+    def _run_tools(self, comp: Completion, ctx: ToolContext, traj: Trajectory, segment: int) -> list[dict]:
+        calls = comp.tool_calls
+        for tc in calls:
+            self.on_event("tool_call", {"name": tc.name, "arguments": tc.arguments})
+        t = time.perf_counter()
+        if self.config.parallel_tool_calls and len(calls) > 1:
+            with ThreadPoolExecutor(max_workers=min(len(calls), self.config.max_parallel)) as pool:
+                results = list(pool.map(lambda tc: self.toolset.call(ctx, tc.name, tc.arguments), calls))
+        else:
+            results = [self.toolset.call(ctx, tc.name, tc.arguments) for tc in calls]
+        traj.tool_seconds += time.perf_counter() - t
+        out = []
+        for tc, res in zip(calls, results):
+            traj.tool_calls.append(ToolCallRecord(traj.turns, segment, tc.id, tc.name, tc.arguments, res.ok,
+                                                  res.error_type, res.duration_s, len(res.content)))
+            self.on_event("tool_result", {"name": tc.name, "ok": res.ok, "content": res.content})
+            out.append({"role": "tool", "tool_call_id": tc.id, "content": res.content})
+        return out
+
+    def _reset(self, messages, seg, traj, ctx, system, task, history, tokens):
+        mode = self.config.context.mode
+        summary = None
+        if mode == "self":
+            messages = messages + [{"role": "user", "content": prompt.SUMMARIZE_PROMPT}]
+            comp = self._call(messages, [], traj, seg)
+            if comp is not None:
+                messages.append(comp.to_message())
+                summary = prompt.extract_summary(comp.content)
+        elif mode == "prompted":
+            transcript = "\n\n".join(f"[{m['role']}] {m.get('content') or ''}"
+                                     + (f" {json.dumps(m['tool_calls'])}" if m.get("tool_calls") else "")
+                                     for m in messages[1:])
+            req = [{"role": "system", "content": prompt.PROMPTED_SUMMARIZER_SYSTEM},
+                   {"role": "user", "content": transcript[-self.config.context.budget_tokens * 3:]}]
+            comp = self._call(req, [], traj, None, policy=self.summarizer or self.policy)
+            summary = prompt.extract_summary(comp.content) if comp is not None else None
+        seg.messages = messages
+        seg.ended_by = "summary" if mode == "self" else "compaction"
+        traj.segments.append(seg)
+        new_seg = Segment(seg.index + 1)
+        if mode == "truncate" or summary is None:
+            kept = [dict(m) for m in messages if not (m["role"] == "user" and m["content"] == prompt.SUMMARIZE_PROMPT)]
+            tool_idx = [i for i, m in enumerate(kept) if m["role"] == "tool"]
+            for i in tool_idx[: max(1, len(tool_idx) - 4)]:
+                kept[i]["content"] = "[output omitted to save context]"
+            new_messages = kept
+        else:
+            new_messages = [system, prompt.task_message(task, history=history, summary=summary,
+                                                        todos=render_todos(ctx.todos) if ctx.todos else None,
+                                                        summaries=len(traj.summaries) + 1)]
+        traj.summaries.append({"turn": traj.turns, "mode": mode, "tokens_before": tokens,
+                               "tokens_after": self._estimate(new_messages), "summary": summary})
+        self.on_event("summary", traj.summaries[-1])
+        return new_messages, new_seg
+
+
+def ensure_git_baseline(sandbox) -> bool:
+    """Diffs are taken with git; a workspace without a repository gets one (inside the sandbox only)."""
+    r = sandbox.exec("git rev-parse --is-inside-work-tree", timeout_s=30)
+    if r.exit_code == 0 and r.stdout.strip() == "true":
+        return False
+    sandbox.exec("git init -q && git add -A && git -c user.name=opencomposer -c user.email=agent@opencomposer "
+                 "commit -qm baseline --allow-empty", timeout_s=120)
+    return True
+
+
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+
+
+def final_diff(sandbox) -> str:
+    """Everything the agent changed (new, modified, deleted, binary) against the baseline commit."""
+    # Through a file in .git, not stdout: a large diff must not meet the output cap.
+    out = ".git/opencomposer-final.diff"
+    r = sandbox.exec(f"git add -A >/dev/null 2>&1; base=$(git rev-parse -q --verify HEAD || echo {EMPTY_TREE}); "
+                     f"git diff --cached --binary --no-color --no-ext-diff $base > {out}; rc=$?; "
+                     "git reset -q >/dev/null 2>&1; exit $rc", timeout_s=120)
+    if r.exit_code != 0:
+        return ""
+    diff = sandbox.read_file(out).decode("utf-8", "replace")
+    sandbox.delete(out)
+    return diff
