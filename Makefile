@@ -25,6 +25,7 @@ test-slow: setup
 
 bench: setup
 	$(PY) benchmarks/sandbox.py
+	$(PY) benchmarks/harness.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

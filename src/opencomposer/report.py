@@ -35,7 +35,22 @@ def sandbox_section(s: dict) -> list[str]:
     return out
 
 
-SECTIONS = {"sandbox": sandbox_section}
+def harness_section(s: dict) -> list[str]:
+    errors = ", ".join(f"{k} x{v}" for k, v in s["tool_errors"].items()) or "none"
+    return [
+        "## Harness", "",
+        f"Task: _{s['task']}_ (policy: `{s['policy']}`).", "",
+        "| stop | turns | tool calls | turns with parallel calls | broken calls recorded | diff lines | fixed |",
+        "|---|---|---|---|---|---|---|",
+        f"| {s['stop_reason']} | {s['turns']} | {s['tool_calls']} | {s['parallel_turns']} | {errors} | "
+        f"{s['diff_lines']} | {_yes(s['fixed'])} |", "",
+        f"Tests before: `{s['tests_before']}`; after applying the agent's diff in a fresh sandbox: "
+        f"`{s['tests_after']}`. Episode {s['seconds']:.1f}s, of which tools {s['tool_seconds']:.1f}s. "
+        "Trajectory: `harness/trajectory.json` (ATIF: `harness/trajectory.atif.json`).", "",
+    ]
+
+
+SECTIONS = {"sandbox": sandbox_section, "harness": harness_section}
 
 
 def render(run_dir: RunDir) -> str:

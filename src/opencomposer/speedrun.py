@@ -1,7 +1,8 @@
 """`opencomposer speedrun`: every stage that exists, on the embedded default, then the report card.
 
 Stages so far: sandbox (isolation checks, real tests in a sandbox, snapshot/fork on real code,
-latency). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
+latency); harness (the agent loop fixing a planted bug through the real tools, graded in a fresh
+sandbox). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
 into its own folder of the run so that `report.py` can read the run folder alone.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from opencomposer.core.metrics import EventLog, MetricsWriter
 from opencomposer.core.rundir import RunDir
+from opencomposer.harness import stage as harness_stage
 from opencomposer.sandbox import stage as sandbox_stage
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class SpeedrunConfig:
     """Parent folder of run folders."""
     name: str = "speedrun"
     sandbox: sandbox_stage.SandboxStageConfig = field(default_factory=sandbox_stage.SandboxStageConfig)
+    harness: harness_stage.HarnessStageConfig = field(default_factory=harness_stage.HarnessStageConfig)
 
 
 def run(cfg: SpeedrunConfig) -> RunDir:
@@ -39,7 +42,7 @@ def run(cfg: SpeedrunConfig) -> RunDir:
     events = EventLog(run_dir.events)
     metrics = MetricsWriter(run_dir.metrics)
     log.info("speedrun -> %s", run_dir.root)
-    stages = [("sandbox", cfg.sandbox.enabled)]
+    stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled)]
     with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         for name, enabled in stages:
             if not enabled:
@@ -51,6 +54,10 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                 if name == "sandbox":
                     task = bar.add_task("sandbox: checks, tests, fork, latency", total=cfg.sandbox.latency_samples)
                     sandbox_stage.run(cfg.sandbox, run_dir, metrics, progress=lambda: bar.advance(task))
+                elif name == "harness":
+                    task = bar.add_task("harness: agent loop on a planted bug", total=None)
+                    harness_stage.run(cfg.harness, run_dir, metrics)
+                    bar.update(task, total=1, completed=1)
             except Exception as e:
                 events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")
                 log.exception("stage %s failed", name)

@@ -51,7 +51,12 @@ def test_speedrun_small(tmp_path):
     summary = json.loads((run / "sandbox" / "summary.json").read_text())
     assert summary["tests_in_sandbox"]["ok"]
     assert summary["fork_demo"]["broken_child_fails"] and summary["fork_demo"]["clean_child_passes"]
+    harness = json.loads((run / "harness" / "summary.json").read_text())
+    assert harness["fixed"] and harness["stop_reason"] == "done"
+    assert harness["tool_errors"] == {"MalformedArguments": 1}  # the oracle's deliberate broken call
+    assert (run / "harness" / "trajectory.atif.json").exists()
     report = (run / "report.md").read_text()
-    assert "## Sandbox" in report and "create + exec" in report
-    events = [json.loads(x)["event"] for x in (run / "events.jsonl").read_text().splitlines()]
-    assert events == ["stage_start", "stage_end"]
+    assert "## Sandbox" in report and "create + exec" in report and "## Harness" in report
+    events = [(e["event"], e["stage"]) for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())]
+    assert events == [("stage_start", "sandbox"), ("stage_end", "sandbox"),
+                      ("stage_start", "harness"), ("stage_end", "harness")]
