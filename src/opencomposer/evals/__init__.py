@@ -1,0 +1,1 @@
+"""Evals (layer 4): the benchmark runner, its metrics and its report."""

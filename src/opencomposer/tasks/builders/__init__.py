@@ -1,0 +1,1 @@
+"""Task builders: feature deletion and bug injection from code with passing tests."""

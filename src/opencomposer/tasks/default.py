@@ -1,0 +1,136 @@
+"""`opencomposer tasks build-default`: the bundled benchmark, built on first use from code every
+fresh machine has — this Python's standard library and its own test suite. Nothing third-party is
+committed to this repository; the tasks are generated, validated by every integrity gate, and
+written under a data folder.
+
+Splits: `smoke` (a few fast tasks, used by CI for oracle/noop calibration), `train` and
+`held_out` (single-file tasks, split by a hash of the id), `hard` (multi-file tasks: their reference
+changes touch at least three files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import shutil
+import statistics
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from opencomposer.tasks import gates
+from opencomposer.tasks.builders.deletion import BuildConfig, CodeSource, build_tasks
+from opencomposer.tasks.format import Manifest, Task
+
+log = logging.getLogger(__name__)
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _module(name: str, test: str | None = None) -> CodeSource:
+    test = test or f"test_{name}"
+    return CodeSource(name=name, code={f"{name}.py": STDLIB / f"{name}.py"},
+                      tests={f"{test}.py": STDLIB / "test" / f"{test}.py"}, test_modules=(test,),
+                      version=platform.python_version())
+
+
+def _package(name: str, test_dir: str, modules: list[str], files: tuple[str, ...] | None = None) -> CodeSource:
+    pkg = STDLIB / name
+    names = files or tuple(sorted(p.name for p in pkg.glob("*.py")))
+    return CodeSource(name=name, code={f"{name}/{f}": pkg / f for f in names},
+                      tests={test_dir: STDLIB / "test" / test_dir}, test_modules=tuple(modules),
+                      version=platform.python_version())
+
+
+def stdlib_sources() -> dict[str, CodeSource]:
+    """Pure-Python standard-library code with its own tests (chosen so each suite runs in seconds)."""
+    json_tests = [f"test_json.{p.stem}" for p in sorted((STDLIB / "test" / "test_json").glob("test_*.py"))
+                  if p.stem != "test_tool"]
+    toml_tests = [f"test_tomllib.{p.stem}" for p in sorted((STDLIB / "test" / "test_tomllib").glob("test_*.py"))]
+    srcs = [
+        _module("colorsys"), _module("textwrap"), _module("shlex"), _module("fractions"), _module("graphlib"),
+        _module("calendar"), _module("configparser"), _module("base64"), _module("sched"), _module("netrc"),
+        _module("statistics"), _module("glob"), _module("reprlib"),
+        _package("json", "test_json", json_tests, ("__init__.py", "decoder.py", "encoder.py", "scanner.py")),
+        _package("tomllib", "test_tomllib", toml_tests),
+        CodeSource(name="html", code={"html/__init__.py": STDLIB / "html" / "__init__.py",
+                                      "html/parser.py": STDLIB / "html" / "parser.py",
+                                      "html/entities.py": STDLIB / "html" / "entities.py"},
+                   tests={"test_html.py": STDLIB / "test" / "test_html.py",
+                          "test_htmlparser.py": STDLIB / "test" / "test_htmlparser.py"},
+                   test_modules=("test_html", "test_htmlparser"), version=platform.python_version()),
+    ]
+    return {s.name: s for s in srcs if all(p.exists() for p in (*s.code.values(), *s.tests.values()))}
+
+
+SMOKE_SOURCES = ("colorsys",)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DefaultBenchmarkConfig:
+    sources: tuple[str, ...] = ()
+    """Names from stdlib_sources(); empty means all."""
+    build: BuildConfig = BuildConfig()
+    held_out_fraction: float = 0.3
+
+
+def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfig(),
+                  progress: Callable[[str], None] | None = None) -> Manifest:
+    """Build, validate (every gate) and index the benchmark in `out`. Rejected tasks are removed and
+    their reasons recorded in the manifest."""
+    say = progress or (lambda m: log.info(m))
+    out.mkdir(parents=True, exist_ok=True)
+    sources = stdlib_sources()
+    names = cfg.sources or tuple(sources)
+    unknown = sorted(set(names) - set(sources))
+    if unknown:
+        raise ValueError(f"unknown sources {unknown}; known: {sorted(sources)}")
+    manifest = Manifest(name="opencomposer-default", extra={"python": platform.python_version(), "rejected": []})
+    for name in names:
+        try:
+            paths = build_tasks(sources[name], out, cfg.build, progress=say)
+        except RuntimeError as e:
+            manifest.extra["rejected"].append({"source": name, "reason": str(e)})
+            say(f"skipped {name}: {e}")
+            continue
+        for p in paths:
+            results = gates.validate(p)
+            failed = [g for g in results if not g.ok]
+            if failed:
+                manifest.extra["rejected"].append({"task": p.name, "gates": {g.name: g.detail for g in failed}})
+                shutil.rmtree(p)
+                say(f"rejected {p.name}: {', '.join(g.name for g in failed)}")
+                continue
+            task = Task.load(p)
+            manifest.tasks.append({"id": task.id, "split": _split(task, name, cfg), "category": task.spec.category,
+                                   "stats": {"prompt_chars": task.spec.stats.prompt_chars,
+                                             "files_changed": task.spec.stats.files_changed,
+                                             "lines_changed": task.spec.stats.lines_changed}})
+            say(f"accepted {task.id}")
+        manifest.save(out)
+    manifest.extra["split_stats"] = split_stats(manifest)
+    manifest.save(out)
+    return manifest
+
+
+def _split(task: Task, source: str, cfg: DefaultBenchmarkConfig) -> str:
+    if task.spec.stats.files_changed >= 3:
+        return "hard"
+    if source in SMOKE_SOURCES and task.spec.category == "feature":
+        return "smoke"
+    h = int(hashlib.sha1(task.id.encode()).hexdigest(), 16) % 1000 / 1000
+    return "held_out" if h < cfg.held_out_fraction else "train"
+
+
+def split_stats(manifest: Manifest) -> dict:
+    """CursorBench-style statistics per split (report §7): prompt characters, files and lines changed."""
+    out = {}
+    for split, ids in manifest.splits().items():
+        rows = [t["stats"] for t in manifest.tasks if t["id"] in ids]
+        out[split] = {"tasks": len(rows),
+                      "median_prompt_chars": statistics.median(r["prompt_chars"] for r in rows),
+                      "median_files_changed": statistics.median(r["files_changed"] for r in rows),
+                      "median_lines_changed": statistics.median(r["lines_changed"] for r in rows),
+                      "categories": sorted({t["category"] for t in manifest.tasks if t["id"] in ids})}
+    return out

@@ -1,0 +1,134 @@
+"""Integrity gates (`opencomposer tasks validate`): a task is accepted only if it is sound.
+
+Task factories are where RL stacks leak answers (anchors-rl §5.6, anchors-env §2.2-2.3). Each gate
+below guards against one known leak or defect, and each has a test that plants it:
+
+- structure        the folder loads (task.toml, prompt.md, repo/, hidden/, reference.patch)
+- hidden_absent    no hidden file is present in the repository, by path or by content
+- history          the repository's git holds exactly its base commit: no later commits, other
+                   refs, stashes, reflog entries or unreachable objects
+- caches           no bytecode, test/type-checker/linter caches or build outputs
+- reference_leak   the gold change's significant added lines are not already in the repository
+- gold_passes      base + reference.patch passes the verifier
+- noop_fails       the base repository fails it
+- deterministic    grading gold twice gives the same outcome for every test
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from opencomposer.sandbox.local import Workspace
+from opencomposer.tasks.format import Task, TaskError
+from opencomposer.tasks.grade import grade_patch
+from opencomposer.tasks.patch import git
+
+CACHE_NAMES = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis", ".tox", ".nox",
+               ".coverage", "build", "dist", ".eggs", "node_modules", ".pyre", ".pytype"}
+CACHE_SUFFIXES = (".pyc", ".pyo", ".egg-info", ".orig", ".rej")
+
+
+@dataclass(frozen=True)
+class GateResult:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def validate(task_dir: str | Path, *, run_tests: bool = True) -> list[GateResult]:
+    try:
+        task = Task.load(task_dir)
+    except TaskError as e:
+        return [GateResult("structure", False, str(e))]
+    out = [GateResult("structure", True), hidden_absent(task), history(task), caches(task), reference_leak(task)]
+    if run_tests:
+        with Workspace(task.repo) as ws:
+            gold = grade_patch(task, task.reference_patch, ws)
+            out.append(GateResult("gold_passes", gold.passed, gold.detail or gold.status))
+            noop = grade_patch(task, "", ws)
+            out.append(GateResult("noop_fails", noop.status == "failed",
+                                  f"noop status {noop.status}" + (f": {noop.detail}" if noop.passed else "")))
+            again = grade_patch(task, task.reference_patch, ws)
+            same = again.outcomes == gold.outcomes and again.status == gold.status
+            diff = sorted(t for t in set(gold.outcomes) | set(again.outcomes)
+                          if gold.outcomes.get(t) != again.outcomes.get(t))
+            out.append(GateResult("deterministic", same, "" if same else f"flaky: {', '.join(diff[:5])}"))
+    return out
+
+
+def hidden_absent(task: Task) -> GateResult:
+    hashes = {}
+    for f in task.hidden.rglob("*"):
+        if f.is_file():
+            rel = f.relative_to(task.hidden)
+            if (task.repo / rel).exists():
+                return GateResult("hidden_absent", False, f"hidden file {rel} is present in repo/")
+            data = f.read_bytes()
+            if len(data) >= 64:  # tiny files (empty __init__.py) collide innocently
+                hashes[hashlib.sha256(data).hexdigest()] = rel
+    for f in _repo_files(task.repo):
+        if hashlib.sha256(f.read_bytes()).hexdigest() in hashes:
+            rel = hashes[hashlib.sha256(f.read_bytes()).hexdigest()]
+            return GateResult("hidden_absent", False, f"{f.relative_to(task.repo)} is a copy of hidden {rel}")
+    return GateResult("hidden_absent", True)
+
+
+def history(task: Task) -> GateResult:
+    repo = task.repo
+    if not (repo / ".git").exists():
+        return GateResult("history", True, "no git repository")
+    commits = git(repo, "rev-list", "--all", "--count").stdout.decode().strip()
+    if commits != "1":
+        return GateResult("history", False, f"{commits} commits reachable from refs (only the base may exist)")
+    refs = git(repo, "for-each-ref", "--format=%(refname)").stdout.decode().split()
+    extra = [r for r in refs if not r.startswith("refs/heads/")] + [r for r in refs if r.startswith("refs/heads/")][1:]
+    if extra:
+        return GateResult("history", False, f"extra refs: {', '.join(extra)}")
+    if (repo / ".git" / "refs" / "stash").exists() or (repo / ".git" / "logs" / "refs" / "stash").exists():
+        return GateResult("history", False, "a stash exists")
+    logs = repo / ".git" / "logs"
+    if logs.exists():
+        for f in logs.rglob("*"):
+            if f.is_file() and len(f.read_text(errors="replace").splitlines()) > 1:
+                return GateResult("history", False, f"reflog {f.relative_to(repo)} records earlier states")
+    unreachable = git(repo, "fsck", "--unreachable", "--no-reflogs", "--no-progress", check=False).stdout.decode()
+    if unreachable.strip():
+        return GateResult("history", False, f"unreachable objects: {unreachable.splitlines()[0]}")
+    return GateResult("history", True)
+
+
+def caches(task: Task) -> GateResult:
+    for p in task.repo.rglob("*"):
+        if ".git" in p.relative_to(task.repo).parts[:1]:
+            continue
+        if p.name in CACHE_NAMES or p.name.endswith(CACHE_SUFFIXES):
+            return GateResult("caches", False, f"{p.relative_to(task.repo)} may reveal removed or future code")
+    return GateResult("caches", True)
+
+
+def reference_leak(task: Task) -> GateResult:
+    added = [ln[1:].strip() for ln in task.reference_patch.splitlines()
+             if ln.startswith("+") and not ln.startswith("+++")]
+    significant = {ln for ln in added if len(ln) >= 25 and not ln.startswith(("#", '"""', "'''"))}
+    if len(significant) < 3:
+        return GateResult("reference_leak", True, "too few significant lines to check")
+    present = set()
+    for f in _repo_files(task.repo):
+        try:
+            text = f.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        lines = {ln.strip() for ln in text.splitlines()}
+        present |= significant & lines
+    share = len(present) / len(significant)
+    ok = share < 0.5
+    return GateResult("reference_leak", ok, f"{len(present)}/{len(significant)} significant gold lines already present"
+                      + ("" if ok else f", e.g. {sorted(present)[0]!r}"))
+
+
+def _repo_files(repo: Path):
+    for f in repo.rglob("*"):
+        if f.is_file() and ".git" not in f.relative_to(repo).parts[:1]:
+            yield f

@@ -1,0 +1,151 @@
+"""Grading: the verifier runs in a fresh fork of the final state, with the hidden tests copied in.
+
+Hardened against the ways graders are fooled (anchors-env §2.2, anchors-rl §5.6):
+- the hidden files are written *after* the agent is done, over whatever it left at those paths;
+- runner-rigging files (conftest.py, pytest.ini, sitecustomize.py, ...) are restored to their base
+  state, and new ones are deleted;
+- the result comes from a JUnit report at a path chosen at grading time (removed before the run),
+  never from stdout ("PASSED" printed by a patch means nothing);
+- every fail-to-pass and pass-to-pass test must appear in the report and pass: a suite that did
+  not run, or ran partly, fails;
+- failures of the machinery (sandbox errors, setup that does not run) are `infra_error`, reported
+  apart from model failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from opencomposer.sandbox.base import SandboxError, ToolCallError
+from opencomposer.sandbox.local import LocalSandbox, Workspace
+from opencomposer.tasks.format import Task
+from opencomposer.tasks.junit import JunitError, parse_junit
+
+log = logging.getLogger(__name__)
+
+Status = Literal["passed", "failed", "no_tests_ran", "infra_error"]
+
+
+@dataclass
+class GradeResult:
+    task_id: str
+    status: Status
+    fail_to_pass: dict[str, str] = field(default_factory=dict)
+    pass_to_pass: dict[str, str] = field(default_factory=dict)
+    tests_run: int = 0
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    detail: str = ""
+    outcomes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def infra(self) -> bool:
+        return self.status == "infra_error"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("outcomes")
+        d["passed"] = self.passed
+        return d
+
+
+def grade_sandbox(task: Task, final: LocalSandbox) -> GradeResult:
+    """Grade an agent's final sandbox: snapshot it, verify in a fresh fork (the original is left as it was)."""
+    try:
+        snap = final.snapshot()
+        with final.workspace.sandbox(snap) as fork:
+            return verify(task, fork)
+    except SandboxError as e:
+        return GradeResult(task.id, "infra_error", detail=f"{type(e).__name__}: {e}")
+
+
+def grade_patch(task: Task, patch: str, workspace: Workspace | None = None) -> GradeResult:
+    """Grade a patch against the task's base repository (integrity gates, and evals of diffs)."""
+    own = workspace is None
+    ws = workspace or Workspace(task.repo)
+    try:
+        with ws.sandbox() as sb:
+            if patch.strip():
+                sb.write_file(".git/opencomposer-grade.patch", patch)
+                r = sb.exec("git apply --whitespace=nowarn .git/opencomposer-grade.patch", timeout_s=120)
+                if r.exit_code != 0:
+                    return GradeResult(task.id, "failed", detail=f"patch does not apply: {r.stderr.strip()[:500]}")
+            return verify(task, sb)
+    except SandboxError as e:
+        return GradeResult(task.id, "infra_error", detail=f"{type(e).__name__}: {e}")
+    finally:
+        if own:
+            ws.close()
+
+
+def verify(task: Task, sb: LocalSandbox) -> GradeResult:
+    spec = task.spec.verifier
+    t0 = time.perf_counter()
+    try:
+        _restore_protected(task, sb)
+        hidden = sorted(p for p in task.hidden.rglob("*") if p.is_file())
+        # Whatever the agent left at those paths (files, directories, symlinks) goes first.
+        sb.exec(["rm", "-rf", "--", *(str(f.relative_to(task.hidden)) for f in hidden)] if hidden else ["true"])
+        for f in hidden:
+            sb.write_file(str(f.relative_to(task.hidden)), f.read_bytes(), mode=f.stat().st_mode & 0o777)
+        for cmd in task.spec.setup:
+            r = sb.exec(cmd, timeout_s=600)
+            if not r.ok:
+                return GradeResult(task.id, "infra_error", detail=f"setup {cmd!r} failed: {r.stderr.strip()[:500]}",
+                                   duration_s=time.perf_counter() - t0)
+        junit = f".oc-junit-{uuid.uuid4().hex}.xml"
+        sb.exec(["rm", "-f", junit])
+        r = sb.exec(spec.command.format(junit=junit), timeout_s=spec.timeout_s)
+        try:
+            report = sb.read_file(junit).decode("utf-8", "replace")
+        except ToolCallError:
+            detail = "the verifier wrote no report (the suite did not run)"
+            if r.killed_by:
+                detail += f"; it was stopped: {r.killed_by}"
+            return GradeResult(task.id, "no_tests_ran", exit_code=r.exit_code, detail=detail + "\n" + r.stderr[-2000:],
+                               duration_s=time.perf_counter() - t0)
+    except SandboxError as e:
+        return GradeResult(task.id, "infra_error", detail=f"{type(e).__name__}: {e}", duration_s=time.perf_counter() - t0)
+    try:
+        outcomes = parse_junit(report)
+    except JunitError as e:
+        return GradeResult(task.id, "no_tests_ran", exit_code=r.exit_code, detail=f"unreadable report: {e}",
+                           duration_s=time.perf_counter() - t0)
+    f2p = {t: outcomes.get(t, "missing") for t in spec.fail_to_pass}
+    p2p = {t: outcomes.get(t, "missing") for t in spec.pass_to_pass}
+    expected = {**f2p, **p2p}
+    ok = bool(expected) and all(v == "passed" for v in expected.values())
+    missing = sum(v == "missing" for v in expected.values())
+    status: Status = "passed" if ok else ("no_tests_ran" if expected and missing == len(expected) else "failed")
+    bad = [f"{t}: {v}" for t, v in expected.items() if v != "passed"]
+    return GradeResult(task.id, status, f2p, p2p, tests_run=len(outcomes), exit_code=r.exit_code,
+                       duration_s=time.perf_counter() - t0,
+                       detail="; ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else ""),
+                       outcomes=outcomes)
+
+
+def _restore_protected(task: Task, sb: LocalSandbox) -> None:
+    names = task.spec.verifier.protected
+    if not names:
+        return
+    expr = " -o ".join(f"-name {n}" for n in names)
+    r = sb.exec(f"find . -path ./.git -prune -o \\( {expr} \\) -type f -print", timeout_s=60)
+    for rel in r.stdout.split():
+        rel = rel.removeprefix("./")
+        base = task.repo / rel
+        if base.is_file():
+            sb.write_file(rel, base.read_bytes())
+        else:
+            sb.delete(rel)
+    for name in names:  # base versions the agent deleted come back too
+        for base in task.repo.rglob(name):
+            if ".git" not in base.parts and base.is_file():
+                sb.write_file(str(base.relative_to(task.repo)), base.read_bytes())

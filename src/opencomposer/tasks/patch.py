@@ -1,0 +1,98 @@
+"""Unified diffs of task repositories: make, apply, measure, and turn into post-images."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "opencomposer", "GIT_AUTHOR_EMAIL": "tasks@opencomposer",
+           "GIT_COMMITTER_NAME": "opencomposer", "GIT_COMMITTER_EMAIL": "tasks@opencomposer",
+           "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+def git(repo: Path, *args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["git", "-C", str(repo), *args], input=input, capture_output=True,
+                       env={**os.environ, **GIT_ENV}, timeout=600)
+    if check and r.returncode != 0:
+        raise PatchError(f"git {' '.join(args)} in {repo}: {r.stderr.decode(errors='replace').strip()}")
+    return r
+
+
+def diff_dirs(a: Path, b: Path) -> str:
+    """The patch that turns directory `a` into `b` (paths relative to each root, git format)."""
+    with tempfile.TemporaryDirectory(prefix="oc-diff-") as tmp:
+        work = Path(tmp) / "w"
+        shutil.copytree(a, work, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+        git(work, "init", "-q")
+        git(work, "add", "-A")
+        git(work, "commit", "-qm", "a", "--allow-empty")
+        for p in list(work.iterdir()):
+            if p.name != ".git":
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        for p in b.iterdir():
+            if p.name == ".git":
+                continue
+            dst = work / p.name
+            shutil.copytree(p, dst, symlinks=True) if p.is_dir() and not p.is_symlink() else shutil.copy2(p, dst)
+        git(work, "add", "-A")
+        return git(work, "diff", "--cached", "--binary", "--no-color", "HEAD").stdout.decode("utf-8", "replace")
+
+
+def apply_patch(repo: Path, patch: str) -> None:
+    if not patch.strip():
+        return
+    git(repo, "apply", "--whitespace=nowarn", "-", input=patch.encode())
+
+
+def patch_stats(patch: str) -> tuple[int, int]:
+    """(files changed, lines added + removed)."""
+    files = sum(1 for ln in patch.splitlines() if ln.startswith("diff --git "))
+    lines = sum(1 for ln in patch.splitlines()
+                if (ln.startswith("+") and not ln.startswith("+++")) or (ln.startswith("-") and not ln.startswith("---")))
+    return files, lines
+
+
+def changed_files(patch: str) -> list[tuple[str, str]]:
+    """[(path, kind)] with kind in added/modified/deleted, from `diff --git` headers."""
+    out = []
+    cur = None
+    kind = "modified"
+    for ln in patch.splitlines():
+        if ln.startswith("diff --git "):
+            if cur:
+                out.append((cur, kind))
+            cur = ln.split(" b/", 1)[1] if " b/" in ln else ln.split()[-1][2:]
+            kind = "modified"
+        elif ln.startswith("new file mode"):
+            kind = "added"
+        elif ln.startswith("deleted file mode"):
+            kind = "deleted"
+    if cur:
+        out.append((cur, kind))
+    return out
+
+
+def post_images(repo: Path, patch: str) -> dict[str, bytes | None]:
+    """{path: content after the patch, or None if deleted}: what an editor must write."""
+    with tempfile.TemporaryDirectory(prefix="oc-post-") as tmp:
+        work = Path(tmp) / "w"
+        shutil.copytree(repo, work, symlinks=True)
+        apply_patch(work, patch)
+        return {p: (None if kind == "deleted" else (work / p).read_bytes()) for p, kind in changed_files(patch)}
+
+
+def init_single_commit_repo(path: Path, message: str = "base") -> str:
+    """Make `path` a git repository whose whole history is one commit of its current content."""
+    shutil.rmtree(path / ".git", ignore_errors=True)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "commit", "-qm", message, "--allow-empty")
+    git(path, "gc", "-q", "--prune=now")
+    return git(path, "rev-parse", "HEAD").stdout.decode().strip()
