@@ -179,6 +179,88 @@ def cmd_agent(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0 if traj.stop_reason == "done" else 1
 
 
+def _data_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("OPENCOMPOSER_DATA", "data"))
+
+
+def cmd_tasks_build_default(ns: argparse.Namespace, extra: list[str]) -> int:
+    from rich.console import Console
+
+    from opencomposer.tasks.builders.deletion import BuildConfig
+    from opencomposer.tasks.default import DefaultBenchmarkConfig, build_default
+
+    con = Console(stderr=True)
+    out = Path(ns.out) if ns.out else _data_dir() / "tasks" / "default"
+    cfg = DefaultBenchmarkConfig(sources=tuple(s for s in (ns.sources or "").split(",") if s),
+                                 build=BuildConfig(max_single=ns.max_single, max_multi=ns.max_multi))
+    with con.status("building tasks") as status:
+        m = build_default(out, cfg, progress=lambda msg: status.update(msg))
+    con.print(f"{len(m.tasks)} validated tasks in {out}; {len(m.extra['rejected'])} rejected")
+    print(json.dumps(m.extra["split_stats"], indent=1))
+    return 0 if m.tasks else 1
+
+
+def cmd_tasks_validate(ns: argparse.Namespace, extra: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from opencomposer.tasks import gates
+
+    dirs = []
+    for d in map(Path, ns.dirs):
+        dirs += [d] if (d / "task.toml").exists() else sorted(p for p in d.iterdir() if (p / "task.toml").exists())
+    t = Table(title="integrity gates")
+    t.add_column("task")
+    t.add_column("result")
+    t.add_column("failed gates")
+    bad = 0
+    for d in dirs:
+        res = gates.validate(d, run_tests=not ns.static)
+        failed = [g for g in res if not g.ok]
+        bad += bool(failed)
+        t.add_row(d.name, "[red]rejected[/]" if failed else "[green]ok[/]",
+                  "; ".join(f"{g.name}: {g.detail}" for g in failed))
+    Console().print(t)
+    return 1 if bad or not dirs else 0
+
+
+def cmd_eval_run(ns: argparse.Namespace, extra: list[str]) -> int:
+    import time
+
+    from rich.progress import Progress
+
+    from opencomposer.core.config import load_config
+    from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+    from opencomposer.harness.policy import PolicyError
+
+    tasks = Path(ns.tasks) if ns.tasks != "default" else _data_dir() / "tasks" / "default"
+    if ns.tasks == "default" and not (tasks / "manifest.json").exists():
+        from opencomposer.tasks.default import build_default
+
+        print(f"building the default benchmark in {tasks} (first use)", file=sys.stderr)
+        build_default(tasks)
+    overrides = [f"--tasks={tasks}", f"--passes={ns.passes}", f"--concurrency={ns.concurrency}", *extra]
+    if ns.split:
+        overrides.append(f"--split={json.dumps(ns.split)}")
+    cfg = load_config(EvalConfig, ns.config, overrides)
+    out = Path(ns.out) if ns.out else Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        factory = policy_factory(ns.model, ns.model_name)
+    except PolicyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    with Progress(console=Console(stderr=True)) as bar:
+        task = bar.add_task("episodes", total=None)
+        summary = run_eval(cfg, factory, out, progress=lambda r: bar.advance(task))
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=1))
+    print(f"results: {out}/results.jsonl  report: {out}/report.html", file=sys.stderr)
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer import report
     from opencomposer.core.rundir import RunDir
@@ -225,6 +307,30 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--out", default="runs", help="where the trajectory is saved")
     ag.add_argument("-c", "--config", help="TOML with AgentConfig fields")
     ag.set_defaults(fn=cmd_agent)
+
+    tk = sub.add_parser("tasks", help="build and validate tasks").add_subparsers(dest="sub", required=True)
+    bd = tk.add_parser("build-default", help="build the bundled benchmark from this Python's stdlib and its tests")
+    bd.add_argument("--out", help="default: $OPENCOMPOSER_DATA/tasks/default (data/ by default)")
+    bd.add_argument("--sources", help="comma-separated subset, e.g. json,textwrap")
+    bd.add_argument("--max-single", type=int, default=8)
+    bd.add_argument("--max-multi", type=int, default=3)
+    bd.set_defaults(fn=cmd_tasks_build_default)
+    va = tk.add_parser("validate", help="run the integrity gates on tasks or datasets")
+    va.add_argument("dirs", nargs="+")
+    va.add_argument("--static", action="store_true", help="skip the gates that run tests")
+    va.set_defaults(fn=cmd_tasks_validate)
+
+    ev = sub.add_parser("eval", help="benchmarks").add_subparsers(dest="sub", required=True)
+    er = ev.add_parser("run", help="run the harness on every task and grade it")
+    er.add_argument("--tasks", default="default", help="dataset folder, a task folder, or 'default'")
+    er.add_argument("--model", required=True, help="oracle, noop, a base URL (…/v1) or a model name")
+    er.add_argument("--model-name")
+    er.add_argument("--split")
+    er.add_argument("--passes", type=int, default=1)
+    er.add_argument("--concurrency", type=int, default=2)
+    er.add_argument("--out")
+    er.add_argument("-c", "--config", help="TOML with EvalConfig fields")
+    er.set_defaults(fn=cmd_eval_run)
 
     rep = sub.add_parser("report", help="(re)write the report card of a run folder")
     rep.add_argument("run_dir")

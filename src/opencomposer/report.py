@@ -50,7 +50,25 @@ def harness_section(s: dict) -> list[str]:
     ]
 
 
-SECTIONS = {"sandbox": sandbox_section, "harness": harness_section}
+def evals_section(s: dict) -> list[str]:
+    out = ["## Tasks and evals", "",
+           f"{s['tasks']} tasks built from real code and its tests, each passing every integrity gate "
+           f"({len(s['rejected'])} rejected) in {s['build_seconds']:.0f}s.", "",
+           "| split | tasks | median prompt chars | median files changed | median lines changed | categories |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {k} | {v['tasks']} | {v['median_prompt_chars']:.0f} | {v['median_files_changed']:.0f} | "
+            f"{v['median_lines_changed']:.0f} | {', '.join(v['categories'])} |" for k, v in s["split_stats"].items()]
+    out += ["", "| policy | accuracy | pass@1 | best-of-K | infra errors | episodes |", "|---|---|---|---|---|---|"]
+    for name, r in s["runs"].items():
+        best = next(v for k, v in r.items() if k.startswith("best_of_"))
+        out.append(f"| {name} | {r['accuracy']:.0%} | {r['pass@1']:.0%} | {best:.0%} | {r['infra_errors']} | "
+                   f"{r['episodes']} |")
+    out += ["", f"Runner calibrated (oracle 100%, noop 0%): {_yes(s['calibrated'])}. HTML reports: "
+            "`evals/oracle/report.html`, `evals/noop/report.html`.", ""]
+    return out
+
+
+SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section}
 
 
 def render(run_dir: RunDir) -> str:

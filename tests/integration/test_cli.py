@@ -45,7 +45,8 @@ def test_doctor_json():
 
 
 def test_speedrun_small(tmp_path):
-    r = cli("speedrun", f"--out_dir={tmp_path}", "--sandbox.latency_samples=3")
+    r = cli("speedrun", f"--out_dir={tmp_path}", "--sandbox.latency_samples=3", "--evals.passes=1",
+            "--evals.benchmark.sources=[\"colorsys\"]")
     assert r.returncode == 0, r.stderr[-3000:]
     (run,) = list(tmp_path.iterdir())
     summary = json.loads((run / "sandbox" / "summary.json").read_text())
@@ -59,4 +60,7 @@ def test_speedrun_small(tmp_path):
     assert "## Sandbox" in report and "create + exec" in report and "## Harness" in report
     events = [(e["event"], e["stage"]) for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())]
     assert events == [("stage_start", "sandbox"), ("stage_end", "sandbox"),
-                      ("stage_start", "harness"), ("stage_end", "harness")]
+                      ("stage_start", "harness"), ("stage_end", "harness"),
+                      ("stage_start", "evals"), ("stage_end", "evals")]
+    evals = json.loads((run / "evals" / "summary.json").read_text())
+    assert evals["calibrated"] and evals["tasks"] >= 4 and "## Tasks and evals" in report

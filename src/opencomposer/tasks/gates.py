@@ -17,6 +17,7 @@ below guards against one known leak or defect, and each has a test that plants i
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,24 +109,39 @@ def caches(task: Task) -> GateResult:
     return GateResult("caches", True)
 
 
-def reference_leak(task: Task) -> GateResult:
-    added = [ln[1:].strip() for ln in task.reference_patch.splitlines()
-             if ln.startswith("+") and not ln.startswith("+++")]
-    significant = {ln for ln in added if len(ln) >= 25 and not ln.startswith(("#", '"""', "'''"))}
-    if len(significant) < 3:
-        return GateResult("reference_leak", True, "too few significant lines to check")
-    present = set()
+def reference_leak(task: Task, share: float = 0.8) -> GateResult:
+    """Is the gold change already in the repository? Looks for `share` of any added hunk (at least
+    three non-blank lines, whitespace-normalised) appearing as consecutive lines of a repository
+    file. Shorter shared runs are ordinary duplication (colorsys repeats eight lines of
+    rgb_to_hls in rgb_to_hsv); most of a hunk is a leftover of the answer."""
+    hunks, cur = [], []
+    for ln in task.reference_patch.splitlines():
+        if ln.startswith("+") and not ln.startswith("+++"):
+            if ln[1:].strip():
+                cur.append(" ".join(ln[1:].split()))
+        elif cur:
+            hunks.append(cur)
+            cur = []
+    if cur:
+        hunks.append(cur)
+    blocks = set()
+    for h in hunks:
+        if len(h) < 3:
+            continue
+        w = max(3, math.ceil(share * len(h)))
+        blocks |= {"\n".join(h[i: i + w]) for i in range(len(h) - w + 1)}
+    if not blocks:
+        return GateResult("reference_leak", True, "no added block long enough to check")
     for f in _repo_files(task.repo):
         try:
-            text = f.read_text()
+            text = "\n".join(" ".join(ln.split()) for ln in f.read_text().splitlines() if ln.strip())
         except (UnicodeDecodeError, OSError):
             continue
-        lines = {ln.strip() for ln in text.splitlines()}
-        present |= significant & lines
-    share = len(present) / len(significant)
-    ok = share < 0.5
-    return GateResult("reference_leak", ok, f"{len(present)}/{len(significant)} significant gold lines already present"
-                      + ("" if ok else f", e.g. {sorted(present)[0]!r}"))
+        for b in blocks:
+            if b in text:
+                return GateResult("reference_leak", False,
+                                  f"{f.relative_to(task.repo)} already holds gold lines: {b.splitlines()[0]!r} ...")
+    return GateResult("reference_leak", True)
 
 
 def _repo_files(repo: Path):

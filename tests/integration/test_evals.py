@@ -1,0 +1,59 @@
+"""The eval runner on the bundled benchmark's smallest split: oracle 100%, noop 0%, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+from opencomposer.tasks.builders.deletion import BuildConfig
+from opencomposer.tasks.default import DefaultBenchmarkConfig, build_default
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    m = build_default(out, DefaultBenchmarkConfig(sources=("colorsys",), build=BuildConfig(max_single=4, max_multi=0)))
+    assert m.splits().get("smoke"), m.splits()
+    return out
+
+
+def test_manifest_and_split_stats(smoke):
+    m = json.loads((smoke / "manifest.json").read_text())
+    stats = m["extra"]["split_stats"]
+    assert set(stats) == set(m["splits"]) and all(v["tasks"] > 0 for v in stats.values())
+    assert all(v["median_prompt_chars"] > 0 and v["median_lines_changed"] > 0 for v in stats.values())
+
+
+@pytest.mark.parametrize("model,expect", [("oracle", 1.0), ("noop", 0.0)])
+def test_calibration_on_the_smoke_split(smoke, tmp_path, model, expect):
+    s = run_eval(EvalConfig(tasks=smoke, split="smoke", passes=2, concurrency=2), policy_factory(model), tmp_path)
+    assert s["accuracy"] == expect and s["pass@1"] == expect and s["best_of_2"] == expect
+    assert s["infra_errors"] == 0 and s["episodes"] == 2 * s["tasks"]
+    assert (tmp_path / "report.html").read_text().count("<svg") >= 2
+    assert len(list((tmp_path / "trajectories").iterdir())) == s["episodes"]
+
+
+def test_resume_runs_only_what_is_missing(smoke, tmp_path):
+    cfg = EvalConfig(tasks=smoke, split="smoke", passes=1, concurrency=1)
+    first = run_eval(cfg, policy_factory("oracle"), tmp_path)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # lose the last episode
+    seen = []
+    again = run_eval(cfg, policy_factory("oracle"), tmp_path, progress=seen.append)
+    assert len(seen) == 1 and again["episodes"] == first["episodes"] and again["accuracy"] == 1.0
+
+
+def test_cli_eval_run(smoke, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "opencomposer.cli", "eval", "run", "--tasks", str(smoke),
+                        "--split", "smoke", "--model", "noop", "--out", str(tmp_path / "ev")],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["accuracy"] == 0.0
+    r = subprocess.run([sys.executable, "-m", "opencomposer.cli", "tasks", "validate", str(smoke)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0 and "rejected" not in r.stdout

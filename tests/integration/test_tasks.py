@@ -1,0 +1,184 @@
+"""Tasks built from real code (the stdlib's colorsys and its tests), the gates that guard them
+(each planted leak must be caught), and hardened grading."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from opencomposer.tasks import gates
+from opencomposer.tasks.builders.deletion import BuildConfig, build_tasks
+from opencomposer.tasks.default import stdlib_sources
+from opencomposer.tasks.format import Task, TaskError, load_dataset
+from opencomposer.tasks.grade import grade_patch
+from opencomposer.tasks.patch import GIT_ENV, apply_patch
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks")
+    paths = build_tasks(stdlib_sources()["colorsys"], out, BuildConfig(max_single=4, max_multi=0))
+    return paths
+
+
+@pytest.fixture
+def task_dir(built, tmp_path):
+    """A private copy of one built deletion task, to plant leaks in."""
+    src = next(p for p in built if "-delete-" in p.name)
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def failed(results):
+    return {g.name for g in results if not g.ok}
+
+
+def test_built_tasks_pass_every_gate(built):
+    assert len(built) >= 3
+    kinds = {Task.load(p).spec.category for p in built}
+    assert {"feature", "bug_fix"} <= kinds
+    for p in built:
+        assert failed(gates.validate(p)) == set(), p.name
+        t = Task.load(p)
+        assert t.spec.verifier.fail_to_pass and t.spec.verifier.pass_to_pass
+        assert t.spec.stats.files_changed == 1 and t.spec.stats.lines_changed > 0
+        assert len(t.prompt) == t.spec.stats.prompt_chars < 400
+
+
+def git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env={**__import__("os").environ, **GIT_ENV})
+
+
+def test_gate_catches_a_future_commit(task_dir):
+    t = Task.load(task_dir)
+    apply_patch(t.repo, t.reference_patch)
+    git(t.repo, "commit", "-qam", "the solution")
+    git(t.repo, "reset", "-q", "--hard", "HEAD~1")  # checked out at base, but the future is in the reflog
+    assert "history" in failed(gates.validate(task_dir, run_tests=False))
+
+
+def test_gate_catches_a_future_branch(task_dir):
+    t = Task.load(task_dir)
+    git(t.repo, "checkout", "-qb", "solution")
+    apply_patch(t.repo, t.reference_patch)
+    git(t.repo, "commit", "-qam", "the solution")
+    git(t.repo, "checkout", "-q", "main")
+    assert "history" in failed(gates.validate(task_dir, run_tests=False))
+
+
+def test_gate_catches_a_stash(task_dir):
+    t = Task.load(task_dir)
+    apply_patch(t.repo, t.reference_patch)
+    git(t.repo, "stash", "-q")
+    assert "history" in failed(gates.validate(task_dir, run_tests=False))
+
+
+def test_gate_catches_bytecode_of_deleted_code(task_dir):
+    t = Task.load(task_dir)
+    cache = t.repo / "__pycache__"
+    cache.mkdir()
+    (cache / "colorsys.cpython-311.pyc").write_bytes(b"\x00bytecode of the original module")
+    assert failed(gates.validate(task_dir, run_tests=False)) == {"caches"}
+
+
+def test_gate_catches_a_visible_hidden_test(task_dir):
+    t = Task.load(task_dir)
+    shutil.copy(t.hidden / "test_colorsys.py", t.repo / "test_colorsys.py")
+    assert "hidden_absent" in failed(gates.validate(task_dir, run_tests=False))
+    (t.repo / "test_colorsys.py").rename(t.repo / "renamed_copy.py")  # same content under another name
+    assert "hidden_absent" in failed(gates.validate(task_dir, run_tests=False))
+
+
+def test_gate_catches_the_answer_left_in_the_repo(task_dir):
+    t = Task.load(task_dir)
+    added = [ln[1:] for ln in t.reference_patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    (t.repo / "notes.txt").write_text("\n".join(added))
+    assert "reference_leak" in failed(gates.validate(task_dir, run_tests=False))
+
+
+def test_gate_catches_a_gold_patch_that_prints_passed(task_dir):
+    t = Task.load(task_dir)
+    fake = ("diff --git a/colorsys.py b/colorsys.py\n--- a/colorsys.py\n+++ b/colorsys.py\n@@ -1,1 +1,3 @@\n"
+            "+import os, sys; print('OK: all tests PASSED'); sys.stdout.flush(); os._exit(0)\n+\n"
+            f" {(t.repo / 'colorsys.py').read_text().splitlines()[0]}\n")
+    (task_dir / "reference.patch").write_text(fake)
+    res = {g.name: g for g in gates.validate(task_dir)}
+    assert not res["gold_passes"].ok
+
+
+def test_gate_catches_a_task_that_is_already_solved(task_dir):
+    t = Task.load(task_dir)
+    apply_patch(t.repo, t.reference_patch)
+    git(t.repo, "commit", "-q", "--amend", "-am", "base")
+    git(t.repo, "reflog", "expire", "--expire=now", "--all")
+    git(t.repo, "gc", "-q", "--prune=now")
+    (task_dir / "reference.patch").write_text("")
+    res = {g.name: g for g in gates.validate(task_dir)}
+    assert not res["noop_fails"].ok
+
+
+def test_malformed_task_folders(task_dir, tmp_path):
+    (task_dir / "prompt.md").unlink()
+    assert failed(gates.validate(task_dir)) == {"structure"}
+    with pytest.raises(TaskError, match="missing prompt.md"):
+        Task.load(task_dir)
+    bad = tmp_path / "bad"
+    shutil.copytree(task_dir, bad)
+    (bad / "prompt.md").write_text("x")
+    (bad / "task.toml").write_text("id = 3\nnonsense = true\n")
+    with pytest.raises(TaskError, match="task.toml"):
+        Task.load(bad)
+    with pytest.raises(TaskError, match="not found"):
+        load_dataset(tmp_path / "nope")
+
+
+# -- grading ----------------------------------------------------------------------------------------
+
+
+def _solution_plus(t: Task, extra_files: dict[str, str]) -> str:
+    """The gold patch plus new files (as a patch)."""
+    patch = t.reference_patch
+    for path, text in extra_files.items():
+        body = "".join(f"+{ln}\n" for ln in text.splitlines())
+        patch += (f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+                  f"@@ -0,0 +1,{len(text.splitlines())} @@\n{body}")
+    return patch
+
+
+def test_grading_ignores_rigged_runner_files_and_fake_reports(task_dir):
+    t = Task.load(task_dir)
+    rig = "import os\nprint('PASSED')\nos._exit(0)\n"
+    # Without the fix, rigging files and a fake report cannot make it pass.
+    noop_rigged = _solution_plus(t, {"sitecustomize.py": rig, "conftest.py": rig,
+                                     ".oc-junit.xml": "<testsuite><testcase classname='x' name='y'/></testsuite>"})
+    noop_rigged = noop_rigged[len(t.reference_patch):]
+    r = grade_patch(t, noop_rigged)
+    assert not r.passed and r.status == "failed"
+    # With the fix plus a rigging file, the rigging is removed and the real tests decide.
+    assert grade_patch(t, _solution_plus(t, {"sitecustomize.py": rig})).passed
+
+
+def test_grading_a_suite_that_does_not_run(task_dir):
+    t = Task.load(task_dir)
+    crash = "diff --git a/colorsys.py b/colorsys.py\n--- a/colorsys.py\n+++ b/colorsys.py\n@@ -1,1 +1,2 @@\n" \
+            f"+raise SystemExit(0)\n {(t.repo / 'colorsys.py').read_text().splitlines()[0]}\n"
+    r = grade_patch(t, crash)
+    assert not r.passed and r.status in ("no_tests_ran", "failed")
+
+
+def test_grader_timeout_and_infra_failure(task_dir):
+    t = Task.load(task_dir)
+    toml = (task_dir / "task.toml").read_text().replace("timeout_s = 600.0", "timeout_s = 2.0")
+    (task_dir / "task.toml").write_text(toml)
+    hang = "diff --git a/colorsys.py b/colorsys.py\n--- a/colorsys.py\n+++ b/colorsys.py\n@@ -1,1 +1,2 @@\n" \
+           f"+while True: pass\n {(t.repo / 'colorsys.py').read_text().splitlines()[0]}\n"
+    r = grade_patch(Task.load(task_dir), hang)
+    assert r.status == "no_tests_ran" and "timeout" in r.detail
+    (task_dir / "task.toml").write_text(toml.replace("setup = []", 'setup = ["exit 3"]'))
+    r = grade_patch(Task.load(task_dir), t.reference_patch)
+    assert r.status == "infra_error" and "setup" in r.detail
