@@ -202,6 +202,33 @@ def cmd_tasks_build_default(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0 if m.tasks else 1
 
 
+def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.tasks import gates
+    from opencomposer.tasks.builders.git_history import GitHistoryConfig, build_from_git
+
+    policy = None
+    if ns.model:
+        from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
+
+        base_url, name = resolve_model(ns.model, None)
+        policy = OpenAIPolicy(base_url=base_url, model=name)
+    out = Path(ns.out)
+    made = build_from_git(ns.repo, out, GitHistoryConfig(max_commits=ns.max_commits, max_tasks=ns.max_tasks),
+                          policy=policy, progress=lambda m: print(m, file=sys.stderr))
+    kept = 0
+    for p in made:
+        failed = [g for g in gates.validate(p) if not g.ok]
+        if failed:
+            print(f"rejected {p.name}: " + "; ".join(f"{g.name}: {g.detail}" for g in failed), file=sys.stderr)
+            import shutil
+
+            shutil.rmtree(p)
+        else:
+            kept += 1
+    print(f"{kept} validated tasks in {out}")
+    return 0 if kept else 1
+
+
 def cmd_tasks_validate(ns: argparse.Namespace, extra: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -315,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--max-single", type=int, default=8)
     bd.add_argument("--max-multi", type=int, default=3)
     bd.set_defaults(fn=cmd_tasks_build_default)
+    bg = tk.add_parser("build-git", help="tasks from commits that change code together with tests")
+    bg.add_argument("--repo", required=True)
+    bg.add_argument("--out", required=True)
+    bg.add_argument("--max-commits", type=int, default=200)
+    bg.add_argument("--max-tasks", type=int, default=20)
+    bg.add_argument("--model", help="rewrite prompts with this model (URL or name); default: commit subjects")
+    bg.set_defaults(fn=cmd_tasks_build_git)
     va = tk.add_parser("validate", help="run the integrity gates on tasks or datasets")
     va.add_argument("dirs", nargs="+")
     va.add_argument("--static", action="store_true", help="skip the gates that run tests")

@@ -123,8 +123,9 @@ def verify(task: Task, sb: LocalSandbox) -> GradeResult:
     p2p = {t: outcomes.get(t, "missing") for t in spec.pass_to_pass}
     expected = {**f2p, **p2p}
     ok = bool(expected) and all(v == "passed" for v in expected.values())
-    missing = sum(v == "missing" for v in expected.values())
-    status: Status = "passed" if ok else ("no_tests_ran" if expected and missing == len(expected) else "failed")
+    # An empty report means the suite did not run; a report without our tests (e.g. a collection
+    # error because a module is missing) is an ordinary failure.
+    status: Status = "passed" if ok else ("no_tests_ran" if not outcomes else "failed")
     bad = [f"{t}: {v}" for t, v in expected.items() if v != "passed"]
     return GradeResult(task.id, status, f2p, p2p, tests_run=len(outcomes), exit_code=r.exit_code,
                        duration_s=time.perf_counter() - t0,
