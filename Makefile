@@ -26,6 +26,7 @@ test-slow: setup
 bench: setup
 	$(PY) benchmarks/sandbox.py
 	$(PY) benchmarks/harness.py
+	$(PY) benchmarks/evals.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,7 +241,10 @@ def build_tasks(source: CodeSource, out_dir: Path, cfg: BuildConfig = BuildConfi
         test_text = "\n".join(p.read_text(errors="replace") for p in hidden.rglob("*.py"))
         command = source.verifier_command()
         with Workspace(code, sandbox) as ws:
+            t0 = time.perf_counter()
             baseline = run_suite(ws, hidden, command)
+            # A mutation can loop forever: candidates get a few times the clean suite's time.
+            timeout = max(30.0, 5 * (time.perf_counter() - t0))
             passing = {t for t, o in baseline.items() if o == "passed"}
             if not passing:
                 raise RuntimeError(f"{source.name}: the test suite does not pass here ({len(baseline)} tests ran)")
@@ -253,26 +257,27 @@ def build_tasks(source: CodeSource, out_dir: Path, cfg: BuildConfig = BuildConfi
             for c in cands:
                 if sum(1 for a in accepted if a.kind == c.kind) >= cfg.max_single // (2 if cfg.mutations else 1):
                     continue
-                if not _evaluate(ws, hidden, command, c, passing, code, cfg):
+                if not _evaluate(ws, hidden, command, c, passing, code, cfg, timeout):
                     continue
                 accepted.append(c)
-                made.append(_write_task(source, out_dir, code, hidden, [c], command))
+                made.append(_write_task(source, out_dir, code, hidden, [c], command, timeout))
                 say(f"{source.name}: task {made[-1].name}")
             deletions = [c for c in accepted if c.kind == "delete"]
             for group in _groups(deletions, cfg, rng):
                 combo = _combine(code, group)
-                if combo is not None and _evaluate(ws, hidden, command, combo, passing, code, cfg):
-                    made.append(_write_task(source, out_dir, code, hidden, group, command, combo=combo))
+                if combo is not None and _evaluate(ws, hidden, command, combo, passing, code, cfg, timeout):
+                    made.append(_write_task(source, out_dir, code, hidden, group, command, timeout, combo=combo))
                     say(f"{source.name}: multi-file task {made[-1].name}")
     return made
 
 
-def _evaluate(ws, hidden, command, c: Candidate, passing: set[str], code: Path, cfg: BuildConfig) -> bool:
+def _evaluate(ws, hidden, command, c: Candidate, passing: set[str], code: Path, cfg: BuildConfig,
+              timeout_s: float) -> bool:
     changes = {c.file: c.new_text, **{e.file: e.new_text for e in c.extra}}
     top = _module_name(c.file).split(".")[0]
     if not imports_ok(ws, top, changes):
         return False  # the rest must still import
-    after = run_suite(ws, hidden, command, changes)
+    after = run_suite(ws, hidden, command, changes, timeout_s=timeout_s)
     f2p = tuple(sorted(t for t in passing if after.get(t) != "passed"))
     p2p = tuple(sorted(t for t in passing if after.get(t) == "passed"))
     if not f2p or len(p2p) < cfg.min_pass_to_pass:
@@ -320,7 +325,7 @@ def _prompt(source: CodeSource, group: list[Candidate], c: Candidate) -> tuple[s
 
 
 def _write_task(source: CodeSource, out_dir: Path, code: Path, hidden: Path, group: list[Candidate],
-                command: str, combo: Candidate | None = None) -> Path:
+                command: str, timeout_s: float, combo: Candidate | None = None) -> Path:
     c = combo or group[0]
     changes = {c.file: c.new_text, **{e.file: e.new_text for e in c.extra}}
     key = hashlib.sha1("|".join(sorted(f"{g.kind}:{g.file}:{g.qualname}:{g.mutation}" for g in group)).encode())
@@ -341,7 +346,8 @@ def _write_task(source: CodeSource, out_dir: Path, code: Path, hidden: Path, gro
     files, lines = patch_stats(patch)
     spec = TaskSpec(id=tid, category=category, source=f"{source.name}@{source.version}", base_revision=base,
                     tags=(source.name, c.kind), verifier=VerifierSpec(command=command, fail_to_pass=c.fail_to_pass,
-                                                                      pass_to_pass=c.pass_to_pass),
+                                                                      pass_to_pass=c.pass_to_pass,
+                                                                      timeout_s=round(2 * timeout_s)),
                     stats=TaskStats(prompt_chars=len(prompt), files_changed=files, lines_changed=lines))
     Task.write_spec(root, spec)
     return root
