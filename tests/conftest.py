@@ -25,12 +25,18 @@ def repo(tmp_path: Path) -> Path:
     (r / "pkg" / "calc.py").write_text("def add(a, b):\n    return a + b\n")
     (r / "test_calc.py").write_text("from pkg.calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n")
     (r / "README.md").write_text("calc\n")
+    return git_init_commit(r, "init")
+
+
+def git_init_commit(root: Path, message: str) -> Path:
+    """`git init` + one commit of everything, with a fixed identity and date (reproducible hashes)."""
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    subprocess.run(["git", "init", "-q", str(r)], check=True, env=env)
-    subprocess.run(["git", "-C", str(r), "add", "-A"], check=True, env=env)
-    subprocess.run(["git", "-C", str(r), "commit", "-qm", "init"], check=True, env=env)
-    return r
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
+           "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
+    subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
+    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True, env=env)
+    subprocess.run(["git", "-C", str(root), "commit", "-qm", message], check=True, env=env)
+    return root
 
 
 @pytest.fixture
@@ -56,13 +62,7 @@ def make_buggy_repo(root: Path) -> Path:
         "from pkg.calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
         "def test_mul():\n    assert mul(2, 3) == 6\n")
     (root / "AGENTS.md").write_text("Run the tests with `python -m pytest -q -p no:cacheprovider`.\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
-           "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
-    subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
-    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True, env=env)
-    subprocess.run(["git", "-C", str(root), "commit", "-qm", "calc"], check=True, env=env)
-    return root
+    return git_init_commit(root, "calc")
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import pytest
 from opencomposer.sandbox.base import (
     Sandbox,
     SandboxConfig,
-    SandboxDied,
     SandboxError,
     ToolCallError,
     WorkspaceError,

@@ -42,7 +42,6 @@ from opencomposer.sandbox.base import (
     ExecResult,
     FileInfo,
     SandboxConfig,
-    SandboxDied,
     SandboxError,
     Snapshot,
     ToolCallError,

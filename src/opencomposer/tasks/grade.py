@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from opencomposer.sandbox.base import SandboxError, ToolCallError
@@ -131,6 +132,20 @@ def verify(task: Task, sb: LocalSandbox) -> GradeResult:
                        duration_s=time.perf_counter() - t0,
                        detail="; ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else ""),
                        outcomes=outcomes)
+
+
+def suite_outcomes(sb: LocalSandbox, hidden: Path, command: str, timeout_s: float = 600.0) -> dict[str, str]:
+    """Copy `hidden` into the sandbox, run `command` ({junit} = the report), return the outcomes
+    ({} when no readable report was written). What builders use to measure fail/pass-to-pass."""
+    for f in hidden.rglob("*"):
+        if f.is_file():
+            sb.write_file(str(f.relative_to(hidden)), f.read_bytes())
+    junit = f".oc-junit-{uuid.uuid4().hex}.xml"
+    sb.exec(command.format(junit=junit), timeout_s=timeout_s)
+    try:
+        return parse_junit(sb.read_file(junit).decode("utf-8", "replace"))
+    except (ToolCallError, JunitError):
+        return {}
 
 
 def _restore_protected(task: Task, sb: LocalSandbox) -> None:

@@ -31,7 +31,7 @@ from opencomposer.sandbox.base import SandboxConfig
 from opencomposer.sandbox.local import Workspace
 from opencomposer.tasks import run_tests
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
-from opencomposer.tasks.junit import parse_junit
+from opencomposer.tasks.grade import suite_outcomes
 from opencomposer.tasks.patch import diff_dirs, init_single_commit_repo, patch_stats
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,7 @@ def run_suite(ws: Workspace, hidden: Path, command: str, changes: dict[str, str]
     with ws.sandbox() as sb:
         for rel, text in (changes or {}).items():
             sb.write_file(rel, text)
-        for f in hidden.rglob("*"):
-            if f.is_file():
-                sb.write_file(str(f.relative_to(hidden)), f.read_bytes())
-        sb.exec(command.format(junit=".oc-junit.xml"), timeout_s=timeout_s)
-        try:
-            return parse_junit(sb.read_file(".oc-junit.xml").decode())
-        except Exception:  # noqa: BLE001 - no report means nothing passed
-            return {}
+        return suite_outcomes(sb, hidden, command, timeout_s)
 
 
 def imports_ok(ws: Workspace, module: str, changes: dict[str, str]) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 from opencomposer.sandbox.base import SandboxConfig
 from opencomposer.sandbox.local import Workspace
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
-from opencomposer.tasks.junit import parse_junit
+from opencomposer.tasks.grade import suite_outcomes
 from opencomposer.tasks.patch import git, init_single_commit_repo, patch_stats
 
 log = logging.getLogger(__name__)
@@ -71,14 +71,7 @@ def _export(repo: Path, rev: str, dest: Path) -> None:
 
 def _outcomes(code_dir: Path, hidden: Path, command: str, sandbox: SandboxConfig | None, timeout_s: float) -> dict:
     with Workspace(code_dir, sandbox) as ws, ws.sandbox() as sb:
-        for f in hidden.rglob("*"):
-            if f.is_file():
-                sb.write_file(str(f.relative_to(hidden)), f.read_bytes())
-        sb.exec(command.format(junit=".oc-junit.xml"), timeout_s=timeout_s)
-        try:
-            return parse_junit(sb.read_file(".oc-junit.xml").decode())
-        except Exception:  # noqa: BLE001 - no report: nothing ran
-            return {}
+        return suite_outcomes(sb, hidden, command, timeout_s)
 
 
 def rewrite_prompt(policy, subject: str, body: str, stat: str) -> str:
