@@ -280,9 +280,15 @@ def cmd_eval_run(ns: argparse.Namespace, extra: list[str]) -> int:
         return 2
     from rich.console import Console
 
+    judge = None
+    if ns.judge:
+        from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
+
+        base_url, name = resolve_model(ns.judge, None)
+        judge = OpenAIPolicy(base_url=base_url, model=name, temperature=0.0)
     with Progress(console=Console(stderr=True)) as bar:
         task = bar.add_task("episodes", total=None)
-        summary = run_eval(cfg, factory, out, progress=lambda r: bar.advance(task))
+        summary = run_eval(cfg, factory, out, progress=lambda r: bar.advance(task), judge=judge)
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=1))
     print(f"results: {out}/results.jsonl  report: {out}/report.html", file=sys.stderr)
     return 0
@@ -363,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--passes", type=int, default=1)
     er.add_argument("--concurrency", type=int, default=2)
     er.add_argument("--out")
+    er.add_argument("--judge", help="a model (URL or name) that also scores each diff on a rubric")
     er.add_argument("-c", "--config", help="TOML with EvalConfig fields")
     er.set_defaults(fn=cmd_eval_run)
 

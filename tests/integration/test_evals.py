@@ -57,3 +57,20 @@ def test_cli_eval_run(smoke, tmp_path):
     r = subprocess.run([sys.executable, "-m", "opencomposer.cli", "tasks", "validate", str(smoke)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0 and "rejected" not in r.stdout
+
+
+def test_rubric_judge_over_http(smoke, tmp_path):
+    from opencomposer.harness.openai_policy import OpenAIPolicy
+    from opencomposer.tasks.rubric import CRITERIA, parse_scores
+    from tests.integration.fake_openai_server import FakeOpenAIServer
+
+    reply = {"scores": {k: {"score": 4, "reason": "fine"} for k in CRITERIA}}
+    with FakeOpenAIServer([{"content": json.dumps(reply)}] * 10) as srv:
+        judge = OpenAIPolicy(base_url=srv.base_url, model="judge")
+        s = run_eval(EvalConfig(tasks=smoke, split="smoke", passes=1), policy_factory("oracle"), tmp_path,
+                     judge=judge)
+        assert "```diff" in srv.requests[0]["messages"][1]["content"]
+    assert s["mean_rubric"] == 0.8 and s["accuracy"] == 1.0
+    bad = parse_scores('{"scores": {"correctness": 9}}', CRITERIA)
+    assert bad.scores == {} and "missing or invalid" in bad.error
+    assert parse_scores("no json here", CRITERIA).error.startswith("judge reply has no JSON")

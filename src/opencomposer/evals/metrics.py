@@ -45,6 +45,8 @@ def summarize(records: list[dict], passes: int) -> dict:
     out["median_latency_s"] = _median([r["seconds"] for r in graded])
     out["mean_cost_usd"] = _mean([r["cost_usd"] for r in graded])
     out["tool_error_rate"] = _mean([r["tool_errors"] / max(1, r["tool_calls"]) for r in graded])
+    rubric = [r["rubric"] for r in graded if r.get("rubric") is not None]
+    out["mean_rubric"] = _mean(rubric)
     out["statuses"] = dict(sorted(_count(r["status"] for r in records).items()))
     return out
 

@@ -82,14 +82,14 @@ def policy_factory(model: str, model_name: str | None = None) -> Callable[[Task]
 
 
 def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: SandboxPool, traj_dir: Path,
-                split: str | None) -> dict:
+                split: str | None, judge: Policy | None = None) -> dict:
     t0 = time.perf_counter()
     rec = {"task": task.id, "pass": k, "category": task.spec.category, "split": split, "policy": policy.name,
            "passed": False, "status": "infra_error", "detail": "", "turns": 0, "prompt_tokens": 0,
            "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0, "tool_errors": 0, "stop_reason": "",
            "seconds": 0.0, "grade_seconds": 0.0}
     try:
-        with Workspace(task.repo, cfg.sandbox) as ws, pool.acquire(ws, deadline_s=3600) as sb:
+        with Workspace(task.repo, task.sandbox_config(cfg.sandbox)) as ws, pool.acquire(ws, deadline_s=3600) as sb:
             for cmd in task.spec.setup:
                 r = sb.exec(cmd, timeout_s=600)
                 if not r.ok:
@@ -106,6 +106,11 @@ def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: Sandb
         rec.update(passed=grade.passed, status=grade.status, detail=grade.detail[:500], turns=traj.turns,
                    prompt_tokens=traj.prompt_tokens, completion_tokens=traj.completion_tokens, cost_usd=traj.cost_usd,
                    tool_calls=len(traj.tool_calls), tool_errors=traj.tool_errors, stop_reason=traj.stop_reason)
+        if judge is not None and traj.diff:
+            from opencomposer.tasks.rubric import grade_rubric
+
+            rubric = grade_rubric(judge, task.prompt, traj.diff)
+            rec.update(rubric=rubric.mean, rubric_scores=rubric.scores, rubric_error=rubric.error)
         if traj.stop_reason.startswith("policy_error"):
             rec.update(passed=False, status="infra_error", detail=traj.stop_reason[:500])
     except (SandboxError, OSError) as e:
@@ -115,7 +120,8 @@ def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: Sandb
 
 
 def run_eval(cfg: EvalConfig, factory: Callable[[Task], Policy], out: Path,
-             progress: Callable[[dict], None] | None = None) -> dict:
+             progress: Callable[[dict], None] | None = None, judge: Policy | None = None) -> dict:
+    """Run every (task, pass) not yet in `out/results.jsonl`; `judge` adds rubric scores (tasks/rubric.py)."""
     if cfg.passes < 1 or cfg.concurrency < 1:
         raise ValueError("passes and concurrency must be >= 1")
     tasks = load_dataset(cfg.tasks, cfg.split)[: cfg.max_tasks]
@@ -129,7 +135,7 @@ def run_eval(cfg: EvalConfig, factory: Callable[[Task], Policy], out: Path,
     lock = threading.Lock()
     pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.concurrency), max_load_per_cpu=None))
     with ThreadPoolExecutor(cfg.concurrency) as ex, results.open("a") as f:
-        futs = [ex.submit(run_episode, t, k, factory(t), cfg, pool, out / "trajectories", split_of.get(t.id))
+        futs = [ex.submit(run_episode, t, k, factory(t), cfg, pool, out / "trajectories", split_of.get(t.id), judge)
                 for t, k in jobs]
         for fut in as_completed(futs):
             rec = fut.result()

@@ -52,6 +52,9 @@ class TaskSpec:
     source: str
     """Where the code came from (e.g. `stdlib:json@3.11.7`, a git URL and commit)."""
     base_revision: str = ""
+    workdir: str = "/workspace"
+    """Where the repository appears in the sandbox: the absolute path the task's tests expect
+    (SWE-bench images use /testbed, Harbor tasks /app)."""
     setup: tuple[str, ...] = ()
     """Commands run in the workspace before the agent starts (and before grading)."""
     timeout_s: float = 1800.0
@@ -78,6 +81,16 @@ class Task:
     @property
     def hidden(self) -> Path:
         return self.root / "hidden"
+
+    def sandbox_config(self, base=None):
+        """`base` (a SandboxConfig) with this task's workdir and memory limit."""
+        import dataclasses
+
+        from opencomposer.sandbox.base import SandboxConfig
+
+        base = base or SandboxConfig()
+        limits = dataclasses.replace(base.limits, memory_mb=self.spec.memory_mb)
+        return dataclasses.replace(base, workdir=self.spec.workdir, limits=limits)
 
     @property
     def reference_patch(self) -> str:

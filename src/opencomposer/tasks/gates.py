@@ -45,7 +45,7 @@ def validate(task_dir: str | Path, *, run_tests: bool = True) -> list[GateResult
         return [GateResult("structure", False, str(e))]
     out = [GateResult("structure", True), hidden_absent(task), history(task), caches(task), reference_leak(task)]
     if run_tests:
-        with Workspace(task.repo) as ws:
+        with Workspace(task.repo, task.sandbox_config()) as ws:
             gold = grade_patch(task, task.reference_patch, ws)
             out.append(GateResult("gold_passes", gold.passed, gold.detail or gold.status))
             noop = grade_patch(task, "", ws)

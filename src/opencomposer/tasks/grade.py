@@ -71,7 +71,7 @@ def grade_sandbox(task: Task, final: LocalSandbox) -> GradeResult:
 def grade_patch(task: Task, patch: str, workspace: Workspace | None = None) -> GradeResult:
     """Grade a patch against the task's base repository (integrity gates, and evals of diffs)."""
     own = workspace is None
-    ws = workspace or Workspace(task.repo)
+    ws = workspace or Workspace(task.repo, task.sandbox_config())
     try:
         with ws.sandbox() as sb:
             if patch.strip():
