@@ -229,6 +229,49 @@ def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0 if kept else 1
 
 
+def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
+    import shutil
+
+    from opencomposer.tasks import gates
+    from opencomposer.tasks.builders import importers
+
+    out = Path(ns.out)
+    made = []
+    if ns.kind == "harbor":
+        for d in map(Path, ns.sources):
+            dirs = [d] if (d / "instruction.md").exists() else sorted(p for p in d.iterdir() if (p / "instruction.md").exists())
+            for t in dirs:
+                try:
+                    made.append(importers.import_harbor(t, out))
+                except ValueError as e:
+                    print(f"skipped {t}: {e}", file=sys.stderr)
+    else:
+        if not ns.instances:
+            print("error: --instances FILE.jsonl is required", file=sys.stderr)
+            return 2
+        for line in Path(ns.instances).read_text().splitlines():
+            if not line.strip():
+                continue
+            inst = json.loads(line)
+            try:
+                if ns.kind == "swebench":
+                    made.append(importers.import_swebench(inst, ns.sources[0], out, workdir=ns.workdir))
+                else:
+                    made.append(importers.import_swesmith(ns.sources[0], inst, out, workdir=ns.workdir))
+            except (ValueError, KeyError) as e:
+                print(f"skipped {inst.get('instance_id')}: {e}", file=sys.stderr)
+    kept = 0
+    for p in made:
+        failed = [g for g in gates.validate(p) if not g.ok]
+        if failed:
+            print(f"rejected {p.name}: " + "; ".join(f"{g.name}: {g.detail}" for g in failed), file=sys.stderr)
+            shutil.rmtree(p)
+        else:
+            kept += 1
+    print(f"{kept} of {len(made)} imported tasks passed the gates; in {out}")
+    return 0 if kept else 1
+
+
 def cmd_tasks_validate(ns: argparse.Namespace, extra: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -355,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--max-tasks", type=int, default=20)
     bg.add_argument("--model", help="rewrite prompts with this model (URL or name); default: commit subjects")
     bg.set_defaults(fn=cmd_tasks_build_git)
+    im = tk.add_parser("import", help="import Harbor/Terminal-Bench folders, SWE-bench instances, SWE-smith mirrors")
+    im.add_argument("kind", choices=["harbor", "swebench", "swesmith"])
+    im.add_argument("sources", nargs="+", help="harbor: task folders; swebench: the repo checkout; swesmith: the mirror")
+    im.add_argument("--instances", help="JSONL of instances (swebench, swesmith)")
+    im.add_argument("--workdir", default="/testbed", help="absolute path the tests expect (swebench, swesmith)")
+    im.add_argument("--out", required=True)
+    im.set_defaults(fn=cmd_tasks_import)
     va = tk.add_parser("validate", help="run the integrity gates on tasks or datasets")
     va.add_argument("dirs", nargs="+")
     va.add_argument("--static", action="store_true", help="skip the gates that run tests")

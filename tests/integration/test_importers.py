@@ -82,3 +82,31 @@ def test_swesmith_mirror(tmp_path):
     t = Task.load(root)
     assert "+    return a + b" in t.reference_patch and "test_add" in t.prompt
     assert [g for g in gates.validate(root) if not g.ok] == []
+
+
+def test_harbor_task(tmp_path):
+    t = tmp_path / "hello-world"
+    write(t, {"instruction.md": "Make hello.py greet the world.\n",
+              "task.toml": 'version = "1.0"\n[metadata]\ncategory = "scripting"\ntags = ["easy"]\n'
+                           '[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 120.0\n',
+              "environment/Dockerfile": "FROM python:3.11\nWORKDIR /app\nCOPY hello.py /app/\n",
+              "environment/hello.py": "print('hello moon')\n",
+              "tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier\ncd /app\n"
+                               "if [ \"$(python hello.py)\" = 'hello world' ] && [ \"$PWD\" = /app ]; then "
+                               "echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n",
+              "solution/solve.sh": "#!/bin/bash\nsed -i 's/moon/world/' /app/hello.py\n"})
+    from opencomposer.tasks.builders.importers import import_harbor
+
+    root = import_harbor(t, tmp_path / "tasks")
+    task = Task.load(root)
+    assert task.spec.workdir == "/app" and task.spec.category == "scripting" and task.spec.tags == ("easy",)
+    assert task.spec.verifier.reward_file and "+print('hello world')" in task.reference_patch
+    assert not (task.repo / "tests").exists() and not (task.repo / "Dockerfile").exists()
+    assert [g for g in gates.validate(root) if not g.ok] == []
+    assert run_eval(EvalConfig(tasks=root), policy_factory("oracle"), tmp_path / "ev")["accuracy"] == 1.0
+    # An agent that writes its own reward file cannot pass: /logs/verifier is the grader's alone.
+    cheat = ("diff --git a/cheat.sh b/cheat.sh\nnew file mode 100644\n--- /dev/null\n+++ b/cheat.sh\n@@ -0,0 +1 @@\n"
+             "+echo 1 > /logs/verifier/reward.txt\n")
+    from opencomposer.tasks.grade import grade_patch
+
+    assert not grade_patch(task, cheat).passed

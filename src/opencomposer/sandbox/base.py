@@ -80,6 +80,9 @@ class SandboxConfig:
     """Deny dangerous syscalls (ptrace, mount, bpf, kexec, keyctl, ...): see sandbox/seccomp.py."""
     ro_binds: tuple[str, ...] = ()
     """Extra host paths visible read-only inside (e.g. a toolchain outside /usr)."""
+    mounts: tuple[str, ...] = ()
+    """`HOST:SANDBOX[:rw]` binds (read-only unless `:rw`): e.g. a task's tests at the absolute
+    path they expect (`hidden/tests:/tests`), or a folder the verifier writes a reward into."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for every command."""
     default_timeout_s: float = 120.0

@@ -147,6 +147,9 @@ def bwrap_argv(
         argv += ["--ro-bind", src, dst]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += mount_args
+    for spec in cfg.mounts:  # after the workspace, so a mount inside it is not hidden by the overlay
+        src, dst, mode = parse_mount(spec)
+        argv += ["--bind" if mode == "rw" else "--ro-bind", src, dst]
     argv += ["--chdir", cfg.workdir]
     for k, v in env.items():
         argv += ["--setenv", k, v]
@@ -159,6 +162,15 @@ def bwrap_argv(
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     return argv
+
+
+def parse_mount(spec: str) -> tuple[str, str, str]:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[1].startswith("/") or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        raise SandboxError(f"bad mount {spec!r}: expected HOST:/SANDBOX_PATH[:ro|rw]")
+    if not os.path.exists(parts[0]):
+        raise SandboxError(f"mount source not found: {parts[0]}")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else "ro"
 
 
 def overlay_mount_args(stack: tuple[Path, ...], upper: Path, work: Path, dest: str) -> list[str]:

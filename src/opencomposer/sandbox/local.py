@@ -117,13 +117,18 @@ class Workspace:
         d.mkdir()
         return d
 
-    def sandbox(self, snapshot: Snapshot | None = None, *, name: str | None = None) -> "LocalSandbox":
+    def sandbox(self, snapshot: Snapshot | None = None, *, name: str | None = None,
+                config: SandboxConfig | None = None) -> "LocalSandbox":
+        """A new sandbox from `snapshot` (default: the base). `config` overrides the workspace's
+        for this sandbox only (e.g. a grader's extra mounts); its workdir must stay the same."""
         if self._closed:
             raise SandboxError("workspace is closed")
         snap = snapshot or self.base
         if snap.base != self.source:
             raise SandboxError(f"snapshot {snap.id} belongs to another workspace ({snap.base})")
-        sb = LocalSandbox(self, snap, name=name)
+        if config is not None and config.workdir != self.config.workdir:
+            raise SandboxError("a sandbox's workdir must match its workspace's")
+        sb = LocalSandbox(self, snap, name=name, config=config)
         self.sandboxes.add(sb)
         return sb
 
@@ -145,9 +150,10 @@ class Workspace:
 class LocalSandbox:
     """One isolated, copy-on-write view of a workspace. See the module docstring."""
 
-    def __init__(self, workspace: Workspace, snapshot: Snapshot, *, name: str | None = None):
+    def __init__(self, workspace: Workspace, snapshot: Snapshot, *, name: str | None = None,
+                 config: SandboxConfig | None = None):
         self.workspace = workspace
-        self.config = workspace.config
+        self.config = config or workspace.config
         self.id = name or _new_id("sb")
         self.dir = workspace.root / self.id
         self.dir.mkdir()

@@ -35,6 +35,13 @@ class VerifierSpec:
     timeout_s: float = 600.0
     protected: tuple[str, ...] = ("conftest.py", "pytest.ini", "tox.ini", "sitecustomize.py", "usercustomize.py")
     """File names restored to their base state before grading (a solution must not rig the runner)."""
+    copy_hidden: bool = True
+    """Copy hidden/ into the workspace before the run (off when `mounts` place it elsewhere)."""
+    mounts: tuple[str, ...] = ()
+    """`TASK_RELATIVE:/ABS` read-only binds at grading time, e.g. `hidden/tests:/tests` (Harbor)."""
+    reward_file: str = ""
+    """If set (e.g. `/logs/verifier/reward.txt`), the outcome is this file's number (>= 1 passes),
+    written into a fresh folder mounted at its parent; no JUnit report is needed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

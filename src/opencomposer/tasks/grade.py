@@ -14,14 +14,19 @@ Hardened against the ways graders are fooled (anchors-env §2.2, anchors-rl §5.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import posixpath
+import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from opencomposer.sandbox.base import SandboxError, ToolCallError
+from opencomposer.sandbox.base import SandboxConfig, SandboxError, ToolCallError
 from opencomposer.sandbox.local import LocalSandbox, Workspace
 from opencomposer.tasks.format import Task
 from opencomposer.tasks.junit import JunitError, parse_junit
@@ -58,12 +63,28 @@ class GradeResult:
         return d
 
 
+@contextmanager
+def grading_config(task: Task, base: SandboxConfig):
+    """The sandbox config to grade `task` in: its verifier mounts, plus a fresh folder for a reward
+    file. Yields (config, reward folder or None)."""
+    spec = task.spec.verifier
+    mounts = [f"{task.root / rel}:{dst}" for rel, dst in (m.split(":", 1) for m in spec.mounts)]
+    with tempfile.TemporaryDirectory(prefix="oc-reward-") as tmp:
+        reward_dir = None
+        if spec.reward_file:
+            reward_dir = Path(tmp)
+            reward_dir.chmod(0o777)
+            mounts.append(f"{reward_dir}:{posixpath.dirname(spec.reward_file)}:rw")
+        yield dataclasses.replace(base, mounts=(*base.mounts, *mounts)), reward_dir
+
+
 def grade_sandbox(task: Task, final: LocalSandbox) -> GradeResult:
     """Grade an agent's final sandbox: snapshot it, verify in a fresh fork (the original is left as it was)."""
     try:
         snap = final.snapshot()
-        with final.workspace.sandbox(snap) as fork:
-            return verify(task, fork)
+        with grading_config(task, final.config) as (cfg, reward_dir), \
+                final.workspace.sandbox(snap, config=cfg) as fork:
+            return verify(task, fork, reward_dir)
     except SandboxError as e:
         return GradeResult(task.id, "infra_error", detail=f"{type(e).__name__}: {e}")
 
@@ -73,13 +94,13 @@ def grade_patch(task: Task, patch: str, workspace: Workspace | None = None) -> G
     own = workspace is None
     ws = workspace or Workspace(task.repo, task.sandbox_config())
     try:
-        with ws.sandbox() as sb:
+        with grading_config(task, ws.config) as (cfg, reward_dir), ws.sandbox(config=cfg) as sb:
             if patch.strip():
                 sb.write_file(".git/opencomposer-grade.patch", patch)
                 r = sb.exec("git apply --whitespace=nowarn .git/opencomposer-grade.patch", timeout_s=120)
                 if r.exit_code != 0:
                     return GradeResult(task.id, "failed", detail=f"patch does not apply: {r.stderr.strip()[:500]}")
-            return verify(task, sb)
+            return verify(task, sb, reward_dir)
     except SandboxError as e:
         return GradeResult(task.id, "infra_error", detail=f"{type(e).__name__}: {e}")
     finally:
@@ -87,12 +108,12 @@ def grade_patch(task: Task, patch: str, workspace: Workspace | None = None) -> G
             ws.close()
 
 
-def verify(task: Task, sb: LocalSandbox) -> GradeResult:
+def verify(task: Task, sb: LocalSandbox, reward_dir: Path | None = None) -> GradeResult:
     spec = task.spec.verifier
     t0 = time.perf_counter()
     try:
         _restore_protected(task, sb)
-        hidden = sorted(p for p in task.hidden.rglob("*") if p.is_file())
+        hidden = sorted(p for p in task.hidden.rglob("*") if p.is_file()) if spec.copy_hidden else []
         # Whatever the agent left at those paths (files, directories, symlinks) goes first.
         sb.exec(["rm", "-rf", "--", *(str(f.relative_to(task.hidden)) for f in hidden)] if hidden else ["true"])
         for f in hidden:
@@ -105,6 +126,8 @@ def verify(task: Task, sb: LocalSandbox) -> GradeResult:
         junit = f".oc-junit-{uuid.uuid4().hex}.xml"
         sb.exec(["rm", "-f", junit])
         r = sb.exec(spec.command.format(junit=junit), timeout_s=spec.timeout_s)
+        if spec.reward_file:
+            return _reward_result(task, reward_dir, r, time.perf_counter() - t0)
         try:
             report = sb.read_file(junit).decode("utf-8", "replace")
         except ToolCallError:
@@ -132,6 +155,23 @@ def verify(task: Task, sb: LocalSandbox) -> GradeResult:
                        duration_s=time.perf_counter() - t0,
                        detail="; ".join(bad[:10]) + (f" (+{len(bad) - 10} more)" if len(bad) > 10 else ""),
                        outcomes=outcomes)
+
+
+def _reward_result(task: Task, reward_dir: Path | None, r, duration: float) -> GradeResult:
+    """Harbor-style outcome: the number in the reward file (written by the verifier, outside the
+    workspace, into a folder only the grader provides): >= 1 passes."""
+    path = reward_dir / posixpath.basename(task.spec.verifier.reward_file) if reward_dir else None
+    if path is None or not path.is_file():
+        return GradeResult(task.id, "no_tests_ran", exit_code=r.exit_code, duration_s=duration,
+                           detail="the verifier wrote no reward" + (f" (stopped: {r.killed_by})" if r.killed_by else ""))
+    text = path.read_text().strip()
+    try:
+        reward = float(json.loads(text).get("reward")) if text.startswith("{") else float(text)
+    except (ValueError, TypeError, AttributeError):
+        return GradeResult(task.id, "no_tests_ran", exit_code=r.exit_code, duration_s=duration,
+                           detail=f"unreadable reward {text[:100]!r}")
+    return GradeResult(task.id, "passed" if reward >= 1.0 else "failed", exit_code=r.exit_code, duration_s=duration,
+                       detail=f"reward {reward}", tests_run=1, outcomes={"reward": str(reward)})
 
 
 def suite_outcomes(sb: LocalSandbox, hidden: Path, command: str, timeout_s: float = 600.0) -> dict[str, str]:

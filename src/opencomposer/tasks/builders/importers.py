@@ -134,3 +134,61 @@ def import_swesmith(mirror: str | Path, instance: dict, out_dir: Path, *, workdi
             f"Tests {', '.join(sorted({i.split('::')[-1] for i in f2p})[:3])} fail. Find and fix the bug."
         return _write(out_dir, branch, base, hidden, gold, prompt, f2p, p2p, sorted(hidden),
                       source=f"swesmith:{mirror.name}@{branch}", category="bug_fix", workdir=workdir, command=command)
+
+
+def import_harbor(task_dir: str | Path, out_dir: Path) -> Path:
+    """A Harbor / Terminal-Bench task folder (`instruction.md`, `task.toml`, `environment/`,
+    `tests/test.sh`, optional `solution/solve.sh`), without Docker: the environment's files become
+    the repository at the Dockerfile's WORKDIR (default /app), the tests are mounted at /tests only
+    while grading, and the reward the tests write to /logs/verifier/reward.txt is the outcome. The
+    gold change is what `solve.sh` does, run in a sandbox; without it the gold gate rejects the
+    task. Dockerfile RUN steps are not executed: tasks that need them fail the gates and are rejected."""
+    import tomllib
+
+    from opencomposer.harness.agent import ensure_git_baseline, final_diff
+    from opencomposer.sandbox.base import SandboxConfig
+    from opencomposer.sandbox.local import Workspace
+
+    task_dir = Path(task_dir)
+    for need in ("instruction.md", "tests/test.sh"):
+        if not (task_dir / need).exists():
+            raise ValueError(f"{task_dir}: not a Harbor task (missing {need})")
+    meta = tomllib.loads((task_dir / "task.toml").read_text()) if (task_dir / "task.toml").exists() else {}
+    env = task_dir / "environment"
+    workdir = "/app"
+    if (env / "Dockerfile").exists():
+        for line in (env / "Dockerfile").read_text().splitlines():
+            if line.strip().upper().startswith("WORKDIR "):
+                workdir = line.split(None, 1)[1].strip()
+    with tempfile.TemporaryDirectory(prefix="oc-harbor-") as tmp:
+        base = Path(tmp) / "base"
+        base.mkdir()
+        if env.is_dir():
+            for p in env.iterdir():
+                if p.name in ("Dockerfile", "docker-compose.yaml", "docker-compose.yml", ".dockerignore"):
+                    continue
+                (shutil.copytree if p.is_dir() else shutil.copy2)(p, base / p.name)
+        gold = ""
+        solve = task_dir / "solution" / "solve.sh"
+        if solve.exists():
+            cfg = SandboxConfig(workdir=workdir, mounts=(f"{task_dir / 'solution'}:/solution",))
+            with Workspace(base, cfg) as ws, ws.sandbox() as sb:
+                ensure_git_baseline(sb)
+                r = sb.exec("bash /solution/solve.sh", timeout_s=float(meta.get("agent", {}).get("timeout_sec", 600)))
+                if r.exit_code == 0:
+                    gold = final_diff(sb)
+        tests = {f"tests/{p.relative_to(task_dir / 'tests')}": p.read_bytes()
+                 for p in (task_dir / "tests").rglob("*") if p.is_file()}
+        md = meta.get("metadata", {})
+        root = _write(out_dir, task_dir.name, base, tests, gold, (task_dir / "instruction.md").read_text(), (), (), [],
+                      source=f"harbor:{task_dir.name}", category=str(md.get("category") or "terminal"),
+                      workdir=workdir, command="bash /tests/test.sh")
+    spec = Task.load(root).spec
+    timeout = float(meta.get("verifier", {}).get("timeout_sec", spec.verifier.timeout_s))
+    import dataclasses
+
+    Task.write_spec(root, dataclasses.replace(
+        spec, tags=tuple(md.get("tags") or spec.tags),
+        verifier=dataclasses.replace(spec.verifier, copy_hidden=False, mounts=("hidden/tests:/tests",),
+                                     reward_file="/logs/verifier/reward.txt", timeout_s=timeout)))
+    return root
