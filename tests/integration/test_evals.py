@@ -74,3 +74,25 @@ def test_rubric_judge_over_http(smoke, tmp_path):
     bad = parse_scores('{"scores": {"correctness": 9}}', CRITERIA)
     assert bad.scores == {} and "missing or invalid" in bad.error
     assert parse_scores("no json here", CRITERIA).error.startswith("judge reply has no JSON")
+
+
+def test_pypi_source_layout(tmp_path):
+    """The code/tests split of an unpacked sdist (no download: the cache already holds it)."""
+    from opencomposer.tasks.default import pypi_source
+
+    root = tmp_path / "toolz-0.12.1"
+    for rel in ("toolz/__init__.py", "toolz/itertoolz.py", "toolz/tests/test_itertoolz.py", "toolz/tests/__init__.py",
+                "setup.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    src = pypi_source("toolz", tmp_path)
+    assert sorted(src.code) == ["toolz/__init__.py", "toolz/itertoolz.py"]
+    assert list(src.tests) == ["toolz/tests"] and src.test_modules == ("toolz.tests.test_itertoolz",)
+    assert "pytest" in src.verifier_command()
+
+
+@pytest.mark.slow
+def test_build_from_a_pypi_sdist(tmp_path):
+    m = build_default(tmp_path / "t", DefaultBenchmarkConfig(sources=("more-itertools",),
+                                                              build=BuildConfig(max_single=2, max_multi=0)))
+    assert m.tasks and not m.extra["rejected"]

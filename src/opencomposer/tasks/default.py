@@ -1,7 +1,8 @@
 """`opencomposer tasks build-default`: the bundled benchmark, built on first use from code every
-fresh machine has — this Python's standard library and its own test suite. Nothing third-party is
-committed to this repository; the tasks are generated, validated by every integrity gate, and
-written under a data folder.
+fresh machine can obtain without a model or data hub — this Python's standard library with its own
+test suite, and source distributions of pure-Python packages fetched with pip at pinned versions
+(their tests included). Nothing third-party is committed to this repository; the tasks are
+generated, validated by every integrity gate, and written under a data folder.
 
 Splits: `smoke` (a few fast tasks, used by CI for oracle/noop calibration), `train` and
 `held_out` (single-file tasks, split by a hash of the id), `hard` (multi-file tasks: their reference
@@ -64,6 +65,45 @@ def stdlib_sources() -> dict[str, CodeSource]:
     return {s.name: s for s in srcs if all(p.exists() for p in (*s.code.values(), *s.tests.values()))}
 
 
+# Pure-Python packages whose source distributions ship their tests, at pinned versions: fetched
+# from PyPI with pip on first use (nothing third-party is committed here).
+PYPI_PACKAGES = {
+    # name: (version, package folder, tests folder, verifier command or None for our unittest runner)
+    "more-itertools": ("10.5.0", "more_itertools", "tests", None),
+    "toolz": ("0.12.1", "toolz", "toolz/tests",
+              "python -m pytest -p no:cacheprovider -o addopts= -q --junitxml={junit} toolz/tests"),
+}
+
+
+def pypi_source(name: str, cache: Path) -> CodeSource:
+    """Download (once) and unpack the pinned sdist of `name`; raise RuntimeError if pip cannot."""
+    import subprocess
+    import sys
+    import tarfile
+
+    version, pkg, tests, command = PYPI_PACKAGES[name]
+    root = cache / f"{name}-{version}"
+    if not root.is_dir():
+        cache.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q",
+                            "--disable-pip-version-check", f"{name}=={version}", "-d", str(cache)],
+                           capture_output=True, text=True, timeout=600)
+        archive = next(cache.glob(f"{name.replace('-', '?')}-{version}.tar.gz"), None)
+        if r.returncode != 0 or archive is None:
+            raise RuntimeError(f"pip could not fetch {name}=={version}: {r.stderr.strip()[-300:]}")
+        with tarfile.open(archive) as tf:
+            tf.extractall(cache, filter="data")
+        unpacked = next(p for p in cache.iterdir() if p.is_dir() and p.name.lower().replace("_", "-") == root.name)
+        if unpacked != root:
+            unpacked.rename(root)
+    code = {str(p.relative_to(root)): p for p in (root / pkg).rglob("*")
+            if p.is_file() and not str(p.relative_to(root)).startswith(tests + "/") and "__pycache__" not in p.parts}
+    test_dir = root / tests
+    modules = tuple(sorted(str(p.relative_to(root))[:-3].replace("/", ".") for p in test_dir.glob("test_*.py")))
+    return CodeSource(name=name.replace("-", "_"), code=code, tests={tests: test_dir}, test_modules=modules,
+                      version=version, command=command)
+
+
 SMOKE_SOURCES = ("colorsys",)
 
 
@@ -73,6 +113,8 @@ class DefaultBenchmarkConfig:
     """Names from stdlib_sources(); empty means all."""
     build: BuildConfig = BuildConfig()
     held_out_fraction: float = 0.3
+    sdist_cache: Path | None = None
+    """Where PyPI source distributions are kept (default: <out>/.sdists)."""
 
 
 def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfig(),
@@ -81,7 +123,7 @@ def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfi
     their reasons recorded in the manifest."""
     say = progress or (lambda m: log.info(m))
     out.mkdir(parents=True, exist_ok=True)
-    sources = stdlib_sources()
+    sources: dict[str, CodeSource | str] = {**stdlib_sources(), **{k: "pypi" for k in PYPI_PACKAGES}}
     names = cfg.sources or tuple(sources)
     unknown = sorted(set(names) - set(sources))
     if unknown:
@@ -89,7 +131,10 @@ def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfi
     manifest = Manifest(name="opencomposer-default", extra={"python": platform.python_version(), "rejected": []})
     for name in names:
         try:
-            paths = build_tasks(sources[name], out, cfg.build, progress=say)
+            src = sources[name]
+            if src == "pypi":
+                src = pypi_source(name, cfg.sdist_cache or out / ".sdists")
+            paths = build_tasks(src, out, cfg.build, progress=say)
         except RuntimeError as e:
             manifest.extra["rejected"].append({"source": name, "reason": str(e)})
             say(f"skipped {name}: {e}")
