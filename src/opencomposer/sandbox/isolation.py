@@ -109,8 +109,10 @@ def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
         "LC_ALL": "C.UTF-8",
         "TERM": "dumb",
         "TMPDIR": "/tmp",
-        # Bytecode goes to /tmp, never into the workspace (a .pyc is a leak in a graded task).
-        "PYTHONPYCACHEPREFIX": "/tmp/.pycache",
+        # No bytecode is written into the workspace (a .pyc of removed code is a leak in a graded
+        # task). Not PYTHONPYCACHEPREFIX: that would also ignore the installed __pycache__ folders
+        # and recompile the whole standard library on every start (measured: 2-3x slower pytest).
+        "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
         # Workspace files owned by an unmapped host user look foreign inside; git must not refuse them.
         "GIT_CONFIG_COUNT": "1",
