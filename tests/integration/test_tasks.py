@@ -181,3 +181,15 @@ def test_grader_timeout_and_infra_failure(task_dir):
     (task_dir / "task.toml").write_text(toml.replace("setup = []", 'setup = ["exit 3"]'))
     r = grade_patch(Task.load(task_dir), t.reference_patch)
     assert r.status == "infra_error" and "setup" in r.detail
+
+
+def test_gate_catches_flaky_tests(task_dir):
+    t = Task.load(task_dir)
+    # Twenty coin-flip tests: two gradings agree on all of them with probability 2**-20.
+    flaky = "import os\nimport unittest\n\n\nclass Flaky(unittest.TestCase):\n" + "".join(
+        f"    def test_{i}(self):\n        self.assertTrue(os.urandom(1)[0] % 2)\n\n" for i in range(20))
+    (t.hidden / "test_flaky.py").write_text(flaky)
+    toml = (task_dir / "task.toml").read_text().replace("test_colorsys\"", "test_colorsys test_flaky\"")
+    (task_dir / "task.toml").write_text(toml)
+    res = {g.name: g for g in gates.validate(task_dir)}
+    assert not res["deterministic"].ok and "flaky" in res["deterministic"].detail
