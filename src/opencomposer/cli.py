@@ -337,6 +337,26 @@ def cmd_eval_run(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_model_import_default(ns: argparse.Namespace, extra: list[str]) -> int:
+    from rich.progress import Progress
+
+    from opencomposer.model.interop import import_default
+    from opencomposer.tokenizer.gguf import GGUFError
+
+    out = Path(ns.out) if ns.out else _data_dir() / "models" / "smollm2-135m-instruct"
+    try:
+        from rich.console import Console
+
+        with Progress(console=Console(stderr=True)) as bar:
+            task = bar.add_task("dequantising GGUF tensors", total=None)
+            import_default(out, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    except GGUFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer import report
     from opencomposer.core.rundir import RunDir
@@ -422,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--judge", help="a model (URL or name) that also scores each diff on a rubric")
     er.add_argument("-c", "--config", help="TOML with EvalConfig fields")
     er.set_defaults(fn=cmd_eval_run)
+
+    mo = sub.add_parser("model", help="models").add_subparsers(dest="sub", required=True)
+    mi = mo.add_parser("import-default", help="the embedded SmolLM2-135M-Instruct GGUF -> a Hugging Face model folder")
+    mi.add_argument("--out", help="default: $OPENCOMPOSER_DATA/models/smollm2-135m-instruct")
+    mi.set_defaults(fn=cmd_model_import_default)
 
     rep = sub.add_parser("report", help="(re)write the report card of a run folder")
     rep.add_argument("run_dir")

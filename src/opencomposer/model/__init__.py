@@ -1,0 +1,1 @@
+"""Model families, checkpoints and interop (layer 2)."""
