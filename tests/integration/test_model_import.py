@@ -55,3 +55,13 @@ def test_corrupt_gguf_is_named(tmp_path):
 
     with pytest.raises(GGUFError, match="broken.gguf: truncated"):
         import_gguf(bad, tmp_path / "out")
+
+
+def test_our_llama_matches_transformers_on_smollm2(folder):
+    from opencomposer.model.llama import load_hf
+
+    ours = load_hf(folder).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor([[1604, 33662, 79, 6693, 24, 104, 727, 472, 1003, 1792, 1232, 216, 33, 34]])
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max().item() < 1e-4
