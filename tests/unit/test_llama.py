@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opencomposer.model.llama import PRESETS, LlamaModel, ModelLoadError, load_hf, save_hf  # noqa: E402
+from opencomposer.model.llama import PRESETS, LlamaConfig, LlamaModel, ModelLoadError, load_hf, save_hf  # noqa: E402
 
 
 def test_round_trip_through_transformers(tmp_path):
@@ -46,3 +46,41 @@ def test_bad_folders(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelLoadError, match="unreadable safetensors"):
         load_hf(tmp_path / "m")
+
+
+def _train(model, opt, steps, start, losses):
+    """A tiny training loop whose batches come from the RNG (so RNG restore matters)."""
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (2, 16))
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).reshape(-1, 512), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return start + steps
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    from opencomposer.model import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    model = LlamaModel(PRESETS["tiny"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    step = _train(model, opt, 3, 0, losses)
+    path = ckpt.save(tmp_path, model, opt, ckpt.TrainState(step=step, data_position={"shard": 0, "offset": 96}))
+    _train(model, opt, 2, step, losses)  # the uninterrupted run
+    torch.manual_seed(123)  # a fresh process state
+    model2 = LlamaModel(PRESETS["tiny"])
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    state = ckpt.load(ckpt.latest(tmp_path), model2, opt2)
+    assert state.step == 3 and state.data_position == {"shard": 0, "offset": 96}
+    resumed = []
+    _train(model2, opt2, 2, state.step, resumed)
+    assert resumed == losses[3:]  # bit-identical, not approximately equal
+    other = LlamaModel(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ckpt.CheckpointError, match="different model"):
+        ckpt.load(path, other)
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint"):
+        ckpt.load(tmp_path, model2)
