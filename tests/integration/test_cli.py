@@ -61,6 +61,9 @@ def test_speedrun_small(tmp_path):
     events = [(e["event"], e["stage"]) for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())]
     assert events == [("stage_start", "sandbox"), ("stage_end", "sandbox"),
                       ("stage_start", "harness"), ("stage_end", "harness"),
-                      ("stage_start", "evals"), ("stage_end", "evals")]
+                      ("stage_start", "evals"), ("stage_end", "evals"),
+                      ("stage_start", "model"), ("stage_end", "model")]
+    model = json.loads((run / "model" / "summary.json").read_text())
+    assert model["writes_code"] and model["parameters"] > 100e6 and "## Model" in report
     evals = json.loads((run / "evals" / "summary.json").read_text())
     assert evals["calibrated"] and evals["tasks"] >= 4 and "## Tasks and evals" in report
