@@ -255,12 +255,13 @@ def build_tasks(source: CodeSource, out_dir: Path, cfg: BuildConfig = BuildConfi
                 accepted.append(c)
                 made.append(_write_task(source, out_dir, code, hidden, [c], command, timeout))
                 say(f"{source.name}: task {made[-1].name}")
-            deletions = [c for c in accepted if c.kind == "delete"]
-            for group in _groups(deletions, cfg, rng):
-                combo = _combine(code, group)
-                if combo is not None and _evaluate(ws, hidden, command, combo, passing, code, cfg, timeout):
-                    made.append(_write_task(source, out_dir, code, hidden, group, command, timeout, combo=combo))
-                    say(f"{source.name}: multi-file task {made[-1].name}")
+            if cfg.max_multi > 0:
+                deletions = _per_file_deletions(ws, hidden, command, cands, accepted, passing, code, cfg, timeout)
+                for group in _groups(deletions, cfg, rng):
+                    combo = _combine(code, group)
+                    if _evaluate(ws, hidden, command, combo, passing, code, cfg, timeout):
+                        made.append(_write_task(source, out_dir, code, hidden, group, command, timeout, combo=combo))
+                        say(f"{source.name}: multi-file task {made[-1].name}")
     return made
 
 
@@ -277,6 +278,23 @@ def _evaluate(ws, hidden, command, c: Candidate, passing: set[str], code: Path, 
         return False
     c.fail_to_pass, c.pass_to_pass = f2p, p2p
     return True
+
+
+def _per_file_deletions(ws, hidden, command, cands, accepted, passing, code, cfg, timeout,
+                        tries_per_file: int = 6) -> list[Candidate]:
+    """Valid deletions spread over as many files as possible: the single-file tasks' own, plus, for
+    files that have none yet, the first few candidates there that pass `_evaluate`."""
+    found = [c for c in accepted if c.kind == "delete"]
+    have = {c.file for c in found}
+    tried: dict[str, int] = {}
+    for c in cands:
+        if c.kind != "delete" or c.file in have or c in accepted or tried.get(c.file, 0) >= tries_per_file:
+            continue
+        tried[c.file] = tried.get(c.file, 0) + 1
+        if _evaluate(ws, hidden, command, c, passing, code, cfg, timeout):
+            found.append(c)
+            have.add(c.file)
+    return found
 
 
 def _groups(deletions: list[Candidate], cfg: BuildConfig, rng: random.Random) -> list[list[Candidate]]:
@@ -297,7 +315,7 @@ def _groups(deletions: list[Candidate], cfg: BuildConfig, rng: random.Random) ->
     return groups
 
 
-def _combine(code: Path, group: list[Candidate]) -> Candidate | None:
+def _combine(code: Path, group: list[Candidate]) -> Candidate:
     head, *rest = group
     return Candidate("delete", head.file, head.qualname, head.lines, head.new_text, doc=head.doc,
                      extra=[Candidate(c.kind, c.file, c.qualname, c.lines, c.new_text, doc=c.doc) for c in rest])
