@@ -270,11 +270,13 @@ class LocalSandbox:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         session: str | None = None,
+        output_limit: int | None = None,
     ) -> ExecResult:
         """Run `cmd` (a shell string, or an argv list) in the sandbox.
 
         `session` names a persistent shell: its working directory and exported variables carry over
-        from one call to the next (this starts the tool server)."""
+        from one call to the next (this starts the tool server). `output_limit` overrides the
+        config's per-stream cap for this call (e.g. to read a large report through `cat`)."""
         self._check_open()
         timeout_s = self.config.default_timeout_s if timeout_s is None else float(timeout_s)
         if not timeout_s > 0:
@@ -285,21 +287,22 @@ class LocalSandbox:
         elif not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError("argv must be a non-empty list of strings")
         data = stdin.encode() if isinstance(stdin, str) else stdin
+        limit = self.config.output_limit_bytes if output_limit is None else int(output_limit)
         ooms = self.cgroup.oom_kills()
         if session is not None or self.server_running:
-            res = self._exec_rpc(cmd, timeout_s, data, env, cwd, session)
+            res = self._exec_rpc(cmd, timeout_s, data, env, cwd, session, limit)
         else:
             with self._lock:
                 if self.server_running:
-                    res = self._exec_rpc(cmd, timeout_s, data, env, cwd, session)
+                    res = self._exec_rpc(cmd, timeout_s, data, env, cwd, session, limit)
                 else:
-                    res = self._exec_once(cmd, timeout_s, data, env, cwd)
+                    res = self._exec_once(cmd, timeout_s, data, env, cwd, limit)
         if res.killed_by in (None, "signal:SIGKILL") and res.exit_code == 137:
             if self.cgroup.oom_kills() > ooms:
                 res = _replace(res, killed_by="memory")
         return res
 
-    def _exec_once(self, cmd, timeout_s, stdin, env, cwd) -> ExecResult:
+    def _exec_once(self, cmd, timeout_s, stdin, env, cwd, output_limit) -> ExecResult:
         argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if env or cwd:
             # The sandbox's env is fixed by bwrap's --setenv; per-call env and cwd go through env(1).
@@ -311,7 +314,7 @@ class LocalSandbox:
 
         def run(bwrap_argv, popen_kwargs):
             return toolserver.run_process(bwrap_argv, stdin=stdin, timeout_s=timeout_s,
-                                          output_limit=self.config.output_limit_bytes, popen_kwargs=popen_kwargs)
+                                          output_limit=output_limit, popen_kwargs=popen_kwargs)
 
         wire = self._spawn(argv, one_shot=True, run=run)
         if wire["killed_by"] == "spawn_failed":
@@ -322,10 +325,10 @@ class LocalSandbox:
             raise ToolCallError("NotFound", f"no such directory in the sandbox: {cwd!r}")
         return ExecResult.from_wire(wire)
 
-    def _exec_rpc(self, cmd, timeout_s, stdin, env, cwd, session) -> ExecResult:
+    def _exec_rpc(self, cmd, timeout_s, stdin, env, cwd, session, output_limit) -> ExecResult:
         rpc = self.start_server()
         params = {"timeout_s": timeout_s, "env": dict(env or {}), "cwd": cwd, "session": session,
-                  "output_limit": self.config.output_limit_bytes}
+                  "output_limit": output_limit}
         params["cmd" if isinstance(cmd, str) else "argv"] = cmd if isinstance(cmd, str) else list(cmd)
         if stdin:
             params["stdin_b64"] = base64.b64encode(stdin).decode()

@@ -15,9 +15,11 @@ Hardened against the ways graders are fooled (anchors-env §2.2, anchors-rl §5.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import posixpath
+import tarfile
 import tempfile
 import time
 import uuid
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from opencomposer.sandbox.base import SandboxConfig, SandboxError, ToolCallError
+from opencomposer.sandbox.base import SandboxConfig, SandboxError
 from opencomposer.sandbox.local import LocalSandbox, Workspace
 from opencomposer.tasks.format import Task
 from opencomposer.tasks.junit import JunitError, parse_junit
@@ -109,33 +111,38 @@ def grade_patch(task: Task, patch: str, workspace: Workspace | None = None) -> G
 
 
 def verify(task: Task, sb: LocalSandbox, reward_dir: Path | None = None) -> GradeResult:
+    """Run the verifier in `sb` with one-shot commands only (no tool server: grading a fork costs
+    one bubblewrap start per step, not a server start)."""
     spec = task.spec.verifier
     t0 = time.perf_counter()
     try:
-        _restore_protected(task, sb)
-        hidden = sorted(p for p in task.hidden.rglob("*") if p.is_file()) if spec.copy_hidden else []
-        # Whatever the agent left at those paths (files, directories, symlinks) goes first.
-        sb.exec(["rm", "-rf", "--", *(str(f.relative_to(task.hidden)) for f in hidden)] if hidden else ["true"])
-        for f in hidden:
-            sb.write_file(str(f.relative_to(task.hidden)), f.read_bytes(), mode=f.stat().st_mode & 0o777)
+        files = _restore_protected(task, sb)
+        if spec.copy_hidden:
+            files.update({str(p.relative_to(task.hidden)): p for p in task.hidden.rglob("*") if p.is_file()})
+        if files:
+            # Whatever the agent left at those paths (files, directories, symlinks) goes first.
+            sb.exec(["rm", "-rf", "--", *files], timeout_s=120)
+            r = sb.exec(["tar", "-x", "-f", "-"], stdin=_tar(files), timeout_s=300)
+            if r.exit_code != 0:
+                return GradeResult(task.id, "infra_error", detail=f"copying verifier files failed: {r.stderr[:300]}",
+                                   duration_s=time.perf_counter() - t0)
         for cmd in task.spec.setup:
             r = sb.exec(cmd, timeout_s=600)
             if not r.ok:
                 return GradeResult(task.id, "infra_error", detail=f"setup {cmd!r} failed: {r.stderr.strip()[:500]}",
                                    duration_s=time.perf_counter() - t0)
         junit = f".oc-junit-{uuid.uuid4().hex}.xml"
-        sb.exec(["rm", "-f", junit])
         r = sb.exec(spec.command.format(junit=junit), timeout_s=spec.timeout_s)
         if spec.reward_file:
             return _reward_result(task, reward_dir, r, time.perf_counter() - t0)
-        try:
-            report = sb.read_file(junit).decode("utf-8", "replace")
-        except ToolCallError:
+        cat = sb.exec(["cat", "--", junit], timeout_s=120, output_limit=256 << 20)
+        if cat.exit_code != 0:
             detail = "the verifier wrote no report (the suite did not run)"
             if r.killed_by:
                 detail += f"; it was stopped: {r.killed_by}"
             return GradeResult(task.id, "no_tests_ran", exit_code=r.exit_code, detail=detail + "\n" + r.stderr[-2000:],
                                duration_s=time.perf_counter() - t0)
+        report = cat.stdout
     except SandboxError as e:
         return GradeResult(task.id, "infra_error", detail=f"{type(e).__name__}: {e}", duration_s=time.perf_counter() - t0)
     try:
@@ -177,31 +184,46 @@ def _reward_result(task: Task, reward_dir: Path | None, r, duration: float) -> G
 def suite_outcomes(sb: LocalSandbox, hidden: Path, command: str, timeout_s: float = 600.0) -> dict[str, str]:
     """Copy `hidden` into the sandbox, run `command` ({junit} = the report), return the outcomes
     ({} when no readable report was written). What builders use to measure fail/pass-to-pass."""
-    for f in hidden.rglob("*"):
-        if f.is_file():
-            sb.write_file(str(f.relative_to(hidden)), f.read_bytes())
+    files = {str(f.relative_to(hidden)): f for f in hidden.rglob("*") if f.is_file()}
+    if files:
+        sb.exec(["tar", "-x", "-f", "-"], stdin=_tar(files), timeout_s=300)
     junit = f".oc-junit-{uuid.uuid4().hex}.xml"
     sb.exec(command.format(junit=junit), timeout_s=timeout_s)
+    cat = sb.exec(["cat", "--", junit], timeout_s=120, output_limit=256 << 20)
     try:
-        return parse_junit(sb.read_file(junit).decode("utf-8", "replace"))
-    except (ToolCallError, JunitError):
+        return parse_junit(cat.stdout) if cat.exit_code == 0 else {}
+    except JunitError:
         return {}
 
 
-def _restore_protected(task: Task, sb: LocalSandbox) -> None:
+def _restore_protected(task: Task, sb: LocalSandbox) -> dict[str, Path]:
+    """Runner-rigging files: new ones are deleted here; the base versions are returned, to be
+    written back with the hidden files."""
     names = task.spec.verifier.protected
     if not names:
-        return
+        return {}
     expr = " -o ".join(f"-name {n}" for n in names)
     r = sb.exec(f"find . -path ./.git -prune -o \\( {expr} \\) -type f -print", timeout_s=60)
+    restore: dict[str, Path] = {}
+    extra = []
     for rel in r.stdout.split():
         rel = rel.removeprefix("./")
-        base = task.repo / rel
-        if base.is_file():
-            sb.write_file(rel, base.read_bytes())
+        if (task.repo / rel).is_file():
+            restore[rel] = task.repo / rel
         else:
-            sb.delete(rel)
+            extra.append(rel)
+    if extra:
+        sb.exec(["rm", "-f", "--", *extra], timeout_s=60)
     for name in names:  # base versions the agent deleted come back too
         for base in task.repo.rglob(name):
-            if ".git" not in base.parts and base.is_file():
-                sb.write_file(str(base.relative_to(task.repo)), base.read_bytes())
+            if ".git" not in base.relative_to(task.repo).parts and base.is_file():
+                restore[str(base.relative_to(task.repo))] = base
+    return restore
+
+
+def _tar(files: dict[str, Path]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for rel, path in sorted(files.items()):
+            tf.add(path, arcname=rel, recursive=False)
+    return buf.getvalue()
