@@ -96,3 +96,17 @@ def test_build_from_a_pypi_sdist(tmp_path):
     m = build_default(tmp_path / "t", DefaultBenchmarkConfig(sources=("more-itertools",),
                                                               build=BuildConfig(max_single=2, max_multi=0)))
     assert m.tasks and not m.extra["rejected"]
+
+
+def test_oracle_uses_compact_hunks(smoke):
+    from opencomposer.evals.runner import oracle_policy
+    from opencomposer.tasks.format import load_dataset
+    from opencomposer.tasks.patch import hunks_by_file
+
+    task = load_dataset(smoke, "smoke")[0]
+    calls = oracle_policy(task).complete([], [])
+    names = {c.name for c in calls.tool_calls}
+    assert names == {"search_replace"}  # a deletion task: the function comes back as one hunk
+    patch = ("diff --git a/f.py b/f.py\n--- a/f.py\n+++ b/f.py\n@@ -1,2 +1,2 @@\n a\n-b\n+c\n"
+             "\\ No newline at end of file\n")
+    assert hunks_by_file(patch) == {"f.py": [("a\nb\n", "a\nc")]}  # only the new side lacks the newline

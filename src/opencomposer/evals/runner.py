@@ -33,7 +33,7 @@ from opencomposer.sandbox.local import Workspace
 from opencomposer.sandbox.pool import PoolConfig, SandboxPool
 from opencomposer.tasks.format import Task, load_dataset
 from opencomposer.tasks.grade import grade_sandbox
-from opencomposer.tasks.patch import post_images
+from opencomposer.tasks.patch import hunks_by_file, post_images
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,20 @@ class EvalConfig:
 
 
 def oracle_policy(task: Task) -> Policy:
-    """Writes the gold post-image of every changed file with write_file/delete_file (one turn, in parallel)."""
+    """Applies the gold change through the harness's own edit tools, in one turn of parallel calls:
+    `search_replace` per diff hunk (compact, so even a large file stays far inside the context
+    budget), `write_file` for new files or where a hunk is not unique, `delete_file` for deletions."""
     calls = []
-    for path, content in post_images(task.repo, task.reference_patch).items():
+    images = post_images(task.repo, task.reference_patch)
+    hunks = hunks_by_file(task.reference_patch)
+    for path, content in images.items():
         if content is None:
             calls.append({"name": "delete_file", "arguments": {"target_file": path}})
+            continue
+        edits = _edits(task.repo / path, hunks.get(path, []))
+        if edits is not None:
+            calls += [{"name": "search_replace", "arguments": {"file_path": path, "old_string": old,
+                                                               "new_string": new}} for old, new in edits]
             continue
         try:
             calls.append({"name": "write_file", "arguments": {"file_path": path, "contents": content.decode()}})
@@ -62,7 +71,22 @@ def oracle_policy(task: Task) -> Policy:
             b64 = base64.b64encode(content).decode()
             calls.append({"name": "run_terminal_cmd",
                           "arguments": {"command": f"mkdir -p \"$(dirname '{path}')\" && echo {b64} | base64 -d > '{path}'"}})
-    return ScriptedPolicy([{"tool_calls": calls}, {"content": "Applied the reference change."}], name="oracle")
+    return ScriptedPolicy([{"tool_calls": calls}], name="oracle", final="Applied the reference change.")
+
+
+def _edits(path: Path, hunks: list[tuple[str, str]]) -> list[tuple[str, str]] | None:
+    """The hunks as (old, new) replacements if each old text is unique when it is applied; else None."""
+    if not hunks or not path.is_file():
+        return None
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        return None
+    for old, new in hunks:
+        if not old or text.count(old) != 1:
+            return None
+        text = text.replace(old, new, 1)
+    return hunks
 
 
 def noop_policy(task: Task) -> Policy:

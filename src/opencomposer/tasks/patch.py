@@ -96,3 +96,43 @@ def init_single_commit_repo(path: Path, message: str = "base") -> str:
     git(path, "commit", "-qm", message, "--allow-empty")
     git(path, "gc", "-q", "--prune=now")
     return git(path, "rev-parse", "HEAD").stdout.decode().strip()
+
+
+def hunks_by_file(patch: str) -> dict[str, list[tuple[str, str]]]:
+    """{path: [(old text, new text)]} per hunk of a unified diff (context lines in both)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    path = None
+    old: list[str] = []
+    new: list[str] = []
+    in_hunk = False
+    last = " "
+
+    def flush() -> None:
+        nonlocal last
+        last = " "
+        if path is not None and in_hunk and (old or new):
+            out.setdefault(path, []).append(("".join(old), "".join(new)))
+
+    for ln in patch.splitlines(keepends=True):
+        if ln.startswith("diff --git "):
+            flush()
+            path, in_hunk, old, new = None, False, [], []
+        elif ln.startswith("+++ "):
+            target = ln[4:].strip()
+            path = target[2:] if target.startswith("b/") else None
+        elif ln.startswith("@@"):
+            flush()
+            in_hunk, old, new = True, [], []
+        elif in_hunk and ln.startswith("\\"):  # "\ No newline at end of file": the line before had none
+            for side, mark in ((old, "-"), (new, "+")):
+                if last in (" ", mark) and side and side[-1].endswith("\n"):
+                    side[-1] = side[-1][:-1]
+        elif in_hunk and ln[:1] in (" ", "-", "+"):
+            last = ln[0]
+            body = ln[1:] if ln.endswith("\n") else ln[1:] + "\n"
+            if ln[0] in (" ", "-"):
+                old.append(body)
+            if ln[0] in (" ", "+"):
+                new.append(body)
+    flush()
+    return out
