@@ -215,23 +215,14 @@ def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
     out = Path(ns.out)
     made = build_from_git(ns.repo, out, GitHistoryConfig(max_commits=ns.max_commits, max_tasks=ns.max_tasks),
                           policy=policy, progress=lambda m: print(m, file=sys.stderr))
-    kept = 0
-    for p in made:
-        failed = [g for g in gates.validate(p) if not g.ok]
-        if failed:
-            print(f"rejected {p.name}: " + "; ".join(f"{g.name}: {g.detail}" for g in failed), file=sys.stderr)
-            import shutil
-
-            shutil.rmtree(p)
-        else:
-            kept += 1
-    print(f"{kept} validated tasks in {out}")
+    kept, rejected = gates.keep_valid(made)
+    for p, failed in rejected:
+        print(f"rejected {p.name}: {gates.describe(failed)}", file=sys.stderr)
+    print(f"{len(kept)} validated tasks in {out}")
     return 0 if kept else 1
 
 
 def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
-    import shutil
-
     from opencomposer.tasks import gates
     from opencomposer.tasks.builders import importers
 
@@ -260,15 +251,10 @@ def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
                     made.append(importers.import_swesmith(ns.sources[0], inst, out, workdir=ns.workdir))
             except (ValueError, KeyError) as e:
                 print(f"skipped {inst.get('instance_id')}: {e}", file=sys.stderr)
-    kept = 0
-    for p in made:
-        failed = [g for g in gates.validate(p) if not g.ok]
-        if failed:
-            print(f"rejected {p.name}: " + "; ".join(f"{g.name}: {g.detail}" for g in failed), file=sys.stderr)
-            shutil.rmtree(p)
-        else:
-            kept += 1
-    print(f"{kept} of {len(made)} imported tasks passed the gates; in {out}")
+    kept, rejected = gates.keep_valid(made)
+    for p, failed in rejected:
+        print(f"rejected {p.name}: {gates.describe(failed)}", file=sys.stderr)
+    print(f"{len(kept)} of {len(made)} imported tasks passed the gates; in {out}")
     return 0 if kept else 1
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
-import shutil
 import statistics
 import sysconfig
 from collections.abc import Callable
@@ -139,14 +138,11 @@ def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfi
             manifest.extra["rejected"].append({"source": name, "reason": str(e)})
             say(f"skipped {name}: {e}")
             continue
-        for p in paths:
-            results = gates.validate(p)
-            failed = [g for g in results if not g.ok]
-            if failed:
-                manifest.extra["rejected"].append({"task": p.name, "gates": {g.name: g.detail for g in failed}})
-                shutil.rmtree(p)
-                say(f"rejected {p.name}: {', '.join(g.name for g in failed)}")
-                continue
+        kept, rejected = gates.keep_valid(paths)
+        for p, failed in rejected:
+            manifest.extra["rejected"].append({"task": p.name, "gates": {g.name: g.detail for g in failed}})
+            say(f"rejected {p.name}: {', '.join(g.name for g in failed)}")
+        for p in kept:
             task = Task.load(p)
             manifest.tasks.append({"id": task.id, "split": _split(task, name, cfg), "category": task.spec.category,
                                    "stats": {"prompt_chars": task.spec.stats.prompt_chars,

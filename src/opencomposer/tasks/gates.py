@@ -59,6 +59,26 @@ def validate(task_dir: str | Path, *, run_tests: bool = True) -> list[GateResult
     return out
 
 
+def keep_valid(paths: list[Path]) -> tuple[list[Path], list[tuple[Path, list[GateResult]]]]:
+    """Run every gate on each task folder; delete the ones that fail. Returns (kept, rejected with
+    their failed gates) — what builders and importers do with what they make."""
+    import shutil
+
+    kept, rejected = [], []
+    for p in paths:
+        failed = [g for g in validate(p) if not g.ok]
+        if failed:
+            shutil.rmtree(p, ignore_errors=True)
+            rejected.append((p, failed))
+        else:
+            kept.append(p)
+    return kept, rejected
+
+
+def describe(failed: list[GateResult]) -> str:
+    return "; ".join(f"{g.name}: {g.detail}" for g in failed)
+
+
 def hidden_absent(task: Task) -> GateResult:
     hashes = {}
     for f in task.hidden.rglob("*"):
