@@ -34,7 +34,8 @@ class RpcClient:
         self.name = name
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._pending: dict[int, _Pending] = {0: _Pending()}
+        hello = _Pending()  # held here: the reader may answer (and drop) it before __init__ looks again
+        self._pending: dict[int, _Pending] = {0: hello}
         self._next = 1
         self._dead: str | None = None
         self._stderr_tail: deque[str] = deque(maxlen=40)
@@ -42,7 +43,7 @@ class RpcClient:
         self._reader.start()
         self._err_reader = threading.Thread(target=self._stderr_loop, daemon=True, name=f"rpc-err-{name}")
         self._err_reader.start()
-        self.hello = self._wait(0, self._pending[0], ready_timeout_s, "start")
+        self.hello = self._wait(0, hello, ready_timeout_s, "start")
 
     def _read_loop(self) -> None:
         stdout = self.proc.stdout
