@@ -202,8 +202,18 @@ def cmd_tasks_build_default(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0 if m.tasks else 1
 
 
-def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
+def _keep_gated(made: list[Path], what: str) -> int:
+    """Gate freshly made task folders, drop the rejected (saying why), report how many remain."""
     from opencomposer.tasks import gates
+
+    kept, rejected = gates.keep_valid(made)
+    for p, failed in rejected:
+        print(f"rejected {p.name}: {gates.describe(failed)}", file=sys.stderr)
+    print(f"{len(kept)} {what}")
+    return 0 if kept else 1
+
+
+def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer.tasks.builders.git_history import GitHistoryConfig, build_from_git
 
     policy = None
@@ -215,15 +225,10 @@ def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
     out = Path(ns.out)
     made = build_from_git(ns.repo, out, GitHistoryConfig(max_commits=ns.max_commits, max_tasks=ns.max_tasks),
                           policy=policy, progress=lambda m: print(m, file=sys.stderr))
-    kept, rejected = gates.keep_valid(made)
-    for p, failed in rejected:
-        print(f"rejected {p.name}: {gates.describe(failed)}", file=sys.stderr)
-    print(f"{len(kept)} validated tasks in {out}")
-    return 0 if kept else 1
+    return _keep_gated(made, f"validated tasks in {out}")
 
 
 def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
-    from opencomposer.tasks import gates
     from opencomposer.tasks.builders import importers
 
     out = Path(ns.out)
@@ -251,11 +256,7 @@ def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
                     made.append(importers.import_swesmith(ns.sources[0], inst, out, workdir=ns.workdir))
             except (ValueError, KeyError) as e:
                 print(f"skipped {inst.get('instance_id')}: {e}", file=sys.stderr)
-    kept, rejected = gates.keep_valid(made)
-    for p, failed in rejected:
-        print(f"rejected {p.name}: {gates.describe(failed)}", file=sys.stderr)
-    print(f"{len(kept)} of {len(made)} imported tasks passed the gates; in {out}")
-    return 0 if kept else 1
+    return _keep_gated(made, f"of {len(made)} imported tasks passed the gates; in {out}")
 
 
 def cmd_tasks_validate(ns: argparse.Namespace, extra: list[str]) -> int:

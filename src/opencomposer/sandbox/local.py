@@ -107,10 +107,7 @@ class Workspace:
         (self.root / "layers").mkdir(parents=True)
         self.sandboxes: set[LocalSandbox] = set()
         self._closed = False
-        if mode == "copy":  # the base of every stack is a complete tree in copy mode
-            self.base = Snapshot(id="base", base=self.source, layers=(), mode="copy")
-        else:
-            self.base = Snapshot(id="base", base=self.source, layers=(), mode="overlay")
+        self.base = Snapshot(id="base", base=self.source, layers=(), mode=mode)
 
     def new_layer_dir(self) -> Path:
         d = self.root / "layers" / _new_id("L")
