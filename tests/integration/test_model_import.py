@@ -58,9 +58,9 @@ def test_corrupt_gguf_is_named(tmp_path):
 
 
 def test_our_llama_matches_transformers_on_smollm2(folder):
-    from opencomposer.model.llama import load_hf
+    from opencomposer.model.hf import load_model
 
-    ours = load_hf(folder).eval()
+    ours = load_model(folder).eval()
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = torch.tensor([[1604, 33662, 79, 6693, 24, 104, 727, 472, 1003, 1792, 1232, 216, 33, 34]])
     with torch.no_grad():

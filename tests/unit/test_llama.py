@@ -4,16 +4,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opencomposer.model.llama import PRESETS, LlamaConfig, LlamaModel, ModelLoadError, load_hf, save_hf  # noqa: E402
+from opencomposer.model.errors import ModelLoadError  # noqa: E402
+from opencomposer.model.hf import load_model, save_model  # noqa: E402
+from opencomposer.model.llama import PRESETS, LlamaConfig, LlamaModel  # noqa: E402
 
 
 def test_round_trip_through_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = LlamaModel(PRESETS["tiny"]).eval()
-    save_hf(model, tmp_path / "m")
+    save_model(model, tmp_path / "m")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
-    again = load_hf(tmp_path / "m").eval()
+    again = load_model(tmp_path / "m").eval()
     ids = torch.randint(0, 512, (2, 17))
     with torch.no_grad():
         assert (model(ids) - ref(ids).logits).abs().max().item() < 1e-4
@@ -26,26 +28,45 @@ def test_kv_cache_matches_full_forward():
     ids = torch.randint(0, 512, (1, 12))
     with torch.no_grad():
         full = model(ids)
-        past = [None] * len(model.layers)
-        logits, past = model(ids[:, :7], past=past)
-        steps = [logits]
+        cache = model.new_cache(1, 32)
+        steps = [model.run(ids[:, :7], cache=cache).logits]
         for t in range(7, 12):
-            logits, past = model(ids[:, t:t + 1], past=past, start_pos=t)
-            steps.append(logits)
+            steps.append(model.run(ids[:, t:t + 1], cache=cache).logits)
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+
+
+def test_cache_slots_prefix_sharing_and_limits():
+    from opencomposer.model.cache import CacheError
+
+    torch.manual_seed(0)
+    model = LlamaModel(PRESETS["tiny"]).eval()
+    prompt = torch.randint(0, 512, (1, 6))
+    with torch.no_grad():
+        cache = model.new_cache(3, 9)
+        model.run(prompt, cache=cache, rows=[0])
+        cache.copy(0, [1, 2])  # the G rollouts of one prompt share its prefill
+        nxt = torch.tensor([[5], [6], [7]])
+        out = model.run(nxt, cache=cache).logits[:, -1]
+        for i in range(3):
+            alone = model(torch.cat([prompt, nxt[i:i + 1]], 1))[0, -1]
+            assert torch.allclose(out[i], alone, atol=1e-5)
+        with pytest.raises(CacheError, match="past the cache's max_len 9"):
+            model.run(torch.randint(0, 512, (3, 3)), cache=cache)
+        with pytest.raises(CacheError, match="outside the cache's 3 slots"):
+            model.run(nxt[:1], cache=cache, rows=[3])
 
 
 def test_bad_folders(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
-        load_hf(tmp_path)
-    save_hf(LlamaModel(PRESETS["tiny"]), tmp_path / "m")
+        load_model(tmp_path)
+    save_model(LlamaModel(PRESETS["tiny"]), tmp_path / "m")
     cfg = (tmp_path / "m" / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128')
     (tmp_path / "m" / "config.json").write_text(cfg)
     with pytest.raises(ModelLoadError, match="has shape"):
-        load_hf(tmp_path / "m")
+        load_model(tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelLoadError, match="unreadable safetensors"):
-        load_hf(tmp_path / "m")
+        load_model(tmp_path / "m")
 
 
 def _train(model, opt, steps, start, losses):

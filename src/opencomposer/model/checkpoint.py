@@ -53,14 +53,14 @@ def save(root: str | Path, model, optimizer: torch.optim.Optimizer | None, state
          tokenizer_json: str | Path | None = None) -> Path:
     import numpy as np
 
-    from opencomposer.model.llama import save_hf
+    from opencomposer.model.hf import save_model
 
     root = Path(root)
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-step_{state.step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_hf(model, tmp)
+    save_model(model, tmp)
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
@@ -82,7 +82,9 @@ def latest(root: str | Path) -> Path | None:
 def load(path: str | Path, model, optimizer: torch.optim.Optimizer | None = None, *,
          tokenizer_json: str | Path | None = None, restore_rng: bool = True) -> TrainState:
     import numpy as np
-    from safetensors.torch import load_file
+
+    from opencomposer.model.errors import ModelLoadError
+    from opencomposer.model.hf import load_weights
 
     path = Path(path)
     meta_path = path / "meta.json"
@@ -95,16 +97,9 @@ def load(path: str | Path, model, optimizer: torch.optim.Optimizer | None = None
     if tok is not None and meta.get("tokenizer_fingerprint") not in (None, tok):
         raise CheckpointError(f"{path}: saved with a different tokenizer ({meta['tokenizer_fingerprint']} != {tok})")
     try:
-        tensors = load_file(str(path / "model.safetensors"))
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path / 'model.safetensors'}: unreadable ({e})") from None
-    sd = model.state_dict()
-    with torch.no_grad():
-        for name, t in tensors.items():
-            key = name.removeprefix("model.")
-            if key not in sd or sd[key].shape != t.shape:
-                raise CheckpointError(f"{path}: tensor {name} does not fit the model")
-            sd[key].copy_(t)
+        load_weights(model, path)
+    except ModelLoadError as e:
+        raise CheckpointError(str(e)) from None
     if optimizer is not None:
         if not (path / "optimizer.pt").exists():
             raise CheckpointError(f"{path}: no optimizer state")

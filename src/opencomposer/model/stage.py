@@ -29,25 +29,23 @@ def greedy(model, ids: list[int], max_new_tokens: int, stop: set[int]) -> list[i
     import torch
 
     with torch.no_grad():
-        past = [None] * len(model.layers)
-        logits, past = model(torch.tensor([ids]), past=past)
+        cache = model.new_cache(1, len(ids) + max_new_tokens + 1)
+        logits = model.run(torch.tensor([ids]), cache=cache).logits
         out: list[int] = []
-        pos = len(ids)
         for _ in range(max_new_tokens):
             nxt = int(logits[0, -1].argmax())
             if nxt in stop:
                 break
             out.append(nxt)
-            logits, past = model(torch.tensor([[nxt]]), past=past, start_pos=pos)
-            pos += 1
+            logits = model.run(torch.tensor([[nxt]]), cache=cache).logits
     return out
 
 
 def run(cfg: ModelStageConfig, run_dir: RunDir, metrics: MetricsWriter) -> dict:
     import torch
 
+    from opencomposer.model.hf import load_model
     from opencomposer.model.interop import import_default
-    from opencomposer.model.llama import load_hf
     from opencomposer.tokenizer.bpe import Tokenizer
     from opencomposer.tokenizer.chat import ChatRenderer
 
@@ -57,7 +55,7 @@ def run(cfg: ModelStageConfig, run_dir: RunDir, metrics: MetricsWriter) -> dict:
         import_default(folder)
     import_s = time.perf_counter() - t0
     torch.manual_seed(0)
-    model = load_hf(folder).eval()
+    model = load_model(folder).eval()
     tok = Tokenizer.load(folder)
     renderer = ChatRenderer(tok)
     seq = renderer.encode([{"role": "user", "content": PROMPT}], add_generation_prompt=True)

@@ -1,0 +1,117 @@
+"""The KV cache both families decode with, and the attention call over it.
+
+A cache has a fixed number of *slots* (sequences). Each slot has its own length, so sequences of
+different lengths decode in one batch (continuous batching): `rows` names the slots a forward call
+works on, new keys are written at each slot's own offset, and the mask lets each query see its own
+slot's keys up to its position. Storage grows by doubling along time. What a layer caches is up to
+the layer: GQA attention caches (k, v); MLA caches its compressed latent and the shared rotary key
+(report §1: DeepSeek-V3 MLA), which is what makes MLA's cache small.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class CacheError(ValueError):
+    pass
+
+
+class KVCache:
+    def __init__(self, num_layers: int, slots: int, max_len: int, *, device=None):
+        self.num_layers = num_layers
+        self.slots = slots
+        self.max_len = max_len
+        self.device = device
+        self.lengths = torch.zeros(slots, dtype=torch.long)
+        self._store: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
+        self._cap = 0
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def rows_tensor(self, rows) -> torch.Tensor:
+        if rows is None:
+            return torch.arange(self.slots)
+        r = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= self.slots):
+            raise CacheError(f"rows {r.tolist()} outside the cache's {self.slots} slots")
+        return r
+
+    def positions(self, rows: torch.Tensor, t: int) -> torch.Tensor:
+        """(R, t) absolute positions of t new tokens per row."""
+        pos = self.lengths[rows][:, None] + torch.arange(t)[None]
+        if int(pos.max()) >= self.max_len:
+            raise CacheError(f"sequence would reach position {int(pos.max())}, past the cache's max_len {self.max_len}")
+        return pos
+
+    def mask(self, rows: torch.Tensor, t: int) -> torch.Tensor | None:
+        """(R, 1, t, S) boolean mask, or None when a plain causal mask is exact (all rows empty)."""
+        starts = self.lengths[rows]
+        if int(starts.max()) == 0:
+            return None
+        s = int(starts.max()) + t
+        q = starts[:, None] + torch.arange(t)[None]  # (R, t) absolute query positions
+        return (torch.arange(s)[None, None, :] <= q[:, :, None])[:, None]
+
+    def advance(self, rows: torch.Tensor, t: int) -> None:
+        self.lengths[rows] += t
+
+    def reset(self, rows) -> None:
+        self.lengths[self.rows_tensor(rows)] = 0
+
+    def copy(self, src: int, dsts) -> None:
+        """Prefix sharing: the G rollouts of one prompt start from one prefill."""
+        d = self.rows_tensor(dsts)
+        n = int(self.lengths[src])
+        for layer in self._store:
+            if layer is not None:
+                for t in layer:
+                    t[d, :, :n] = t[src, :, :n]
+        self.lengths[d] = n
+
+    # -- storage ----------------------------------------------------------------------------------
+    def _grow(self, need: int, like: tuple[torch.Tensor, ...], layer: int) -> None:
+        if need > self._cap:
+            cap = max(need, min(self.max_len, max(64, 2 * self._cap)))
+            for i, st in enumerate(self._store):
+                if st is not None:
+                    grown = []
+                    for t in st:
+                        g = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+                        g[:, :, : t.shape[2]] = t
+                        grown.append(g)
+                    self._store[i] = tuple(grown)
+            self._cap = cap
+        if self._store[layer] is None:
+            self._store[layer] = tuple(x.new_zeros(self.slots, x.shape[1], self._cap, x.shape[3]) for x in like)
+
+    def write(self, layer: int, rows: torch.Tensor, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store `new` (each (R, H, t, D)) at each row's offset; return the rows' full tensors
+        (R, H, S, D) with S = the longest row's length after the write."""
+        t = new[0].shape[2]
+        starts = self.lengths[rows]
+        end = int(starts.max()) + t
+        self._grow(end, new, layer)
+        store = self._store[layer]
+        uniform = bool((starts == starts[0]).all())
+        for st, x in zip(store, new):
+            x = x.to(st.dtype)
+            if uniform:
+                s0 = int(starts[0])
+                st[rows, :, s0:s0 + t] = x
+            else:
+                for i, (r, s0) in enumerate(zip(rows.tolist(), starts.tolist())):
+                    st[r, :, s0:s0 + t] = x[i]
+        contiguous = rows.numel() > 0 and bool((rows == torch.arange(int(rows[0]), int(rows[0]) + rows.numel())).all())
+        if contiguous:
+            a = int(rows[0])
+            return tuple(st[a:a + rows.numel(), :, :end] for st in store)
+        return tuple(st[rows, :, :end] for st in store)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+           ) -> torch.Tensor:
+    """Scaled dot-product attention; causal when `mask` is None (keys and queries aligned)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,81 @@
+"""Layers both model families share: RMSNorm, rotary embeddings (both layouts), the SwiGLU MLP,
+and the forward result type. Numerics follow the Hugging Face implementations op for op (norms in
+float32, RoPE tables in float32 then cast), because logit parity with `transformers` is tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ForwardOut:
+    """What `model.run(...)` returns. `routed_experts` is (B, T, n_moe_layers, top_k) — the expert
+    indices each token used at each MoE layer, what the sampler returns and the trainer replays
+    (report §6.2, router replay). `mtp_logits[d]` is (B, T-1-d, V): position i predicts token
+    i+2+d (depth d+1 of Multi-Token Prediction)."""
+    logits: torch.Tensor | None
+    hidden: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+    router: list = field(default_factory=list)
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(dim: int, theta: float, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (..., T, dim) for integer positions (..., T), in the `cat(freqs, freqs)` layout."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    ang = positions.to(torch.float32)[..., None] * inv
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face layout). x: (B, H, T, D); cos/sin: (B, T, D)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over interleaved pairs (x0, x1), (x2, x3)… — DeepSeek's checkpoint layout. The result is
+    written de-interleaved (evens then odds); queries and keys get the same permutation, so their
+    dot products are unchanged."""
+    c, s = cos[..., : cos.shape[-1] // 2][:, None], sin[..., : sin.shape[-1] // 2][:, None]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)

@@ -1,0 +1,105 @@
+"""Language-model losses computed from hidden states without materialising the logits.
+
+The head is the largest matrix product of a small model and its logits the largest activation
+(SmolLM2: 49,152 vocabulary entries per token). Both functions below walk the tokens in chunks:
+each chunk's logits live only inside the loop, in float32. `cross_entropy` (mean over labelled
+tokens: pretraining, SFT) computes the gradients during the forward, so the backward is a scale;
+`token_logprobs` (per-token log-probabilities with any upstream gradient: RL) recomputes each
+chunk's logits in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+def _chunks(n: int, vocab: int, budget: int = 1 << 23):
+    """Row ranges whose float32 logits stay under `budget` elements (32 MiB)."""
+    step = max(1, budget // max(1, vocab))
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, labels):
+        n = h.shape[0]
+        valid = labels != IGNORE
+        count = int(valid.sum())
+        gh = torch.zeros_like(h, dtype=torch.float32)
+        gw = torch.zeros_like(w, dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32)
+        wf = w.float()
+        for a, b in _chunks(n, w.shape[0]):
+            hc, lab = h[a:b].float(), labels[a:b]
+            ok = lab != IGNORE
+            if not bool(ok.any()):
+                continue
+            logits = hc @ wf.T
+            lse = logits.logsumexp(-1)
+            safe = lab.clamp(min=0)
+            total += ((lse - logits.gather(1, safe[:, None])[:, 0]) * ok).sum()
+            g = (logits - lse[:, None]).exp_()  # softmax
+            g[torch.arange(b - a), safe] -= 1.0
+            g *= (ok.float() / max(count, 1))[:, None]
+            gh[a:b] = g @ wf
+            gw += g.T @ hc
+        ctx.save_for_backward(gh.to(h.dtype), gw.to(w.dtype))
+        return total / max(count, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gh, gw = ctx.saved_tensors
+        return gh * grad, gw * grad, None
+
+
+def cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `labels` (IGNORE = -100 skipped) under logits h @ weight.T.
+    h (..., D), labels (...)."""
+    return _FusedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature):
+        out = torch.empty(h.shape[0], dtype=torch.float32)
+        wf = w.float()
+        for a, b in _chunks(h.shape[0], w.shape[0]):
+            logits = (h[a:b].float() @ wf.T) / temperature
+            out[a:b] = logits.gather(1, targets[a:b, None])[:, 0] - logits.logsumexp(-1)
+        ctx.save_for_backward(h, w, targets)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, targets = ctx.saved_tensors
+        t = ctx.temperature
+        wf = w.float()
+        gh = torch.empty_like(h, dtype=torch.float32)
+        gw = torch.zeros_like(w, dtype=torch.float32)
+        for a, b in _chunks(h.shape[0], w.shape[0]):
+            hc = h[a:b].float()
+            logits = (hc @ wf.T) / t
+            g = -(logits - logits.logsumexp(-1, keepdim=True)).exp_()  # d logp / d logits = onehot - softmax
+            g[torch.arange(b - a), targets[a:b]] += 1.0
+            g *= grad[a:b, None] / t
+            gh[a:b] = g @ wf
+            gw += g.T @ hc
+        return gh.to(h.dtype), gw.to(w.dtype), None, None
+
+
+def token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   ) -> torch.Tensor:
+    """log p(target) per position under softmax(h @ weight.T / temperature); shape of `targets`."""
+    out = _TokenLogprobs.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), float(temperature))
+    return out.view(targets.shape)
+
+
+def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of a model from `model/` (labels default to the inputs; position t
+    predicts label t+1, as in `transformers`)."""
+    labels = input_ids if labels is None else labels
+    h = model.run(input_ids, logits=False).hidden
+    return cross_entropy(h[:, :-1], model.lm_head.weight, labels[:, 1:])

@@ -1,0 +1,201 @@
+"""Mixture of experts, DeepSeek-V3 / Kimi-K2 style (report §1): one shared expert plus routed
+experts chosen by sigmoid scores with a load-balancing bias and group limits, and router replay
+(report §6.2).
+
+Routing for a token x (DeepSeek-V3 paper, eq. 15-17; `transformers`' DeepseekV3TopkRouter):
+    s = sigmoid(W_r x)                       (float32)
+    choose top-k of (s + b) within the top `topk_group` of `n_group` groups,
+        a group's score being the sum of its two best (s + b)
+    g_i = s_i / sum_{j in top-k} s_j  (when norm_topk_prob) * routed_scaling_factor
+The bias b only steers selection; gates use the unbiased scores, so gradients reach W_r.
+
+The experts run as one grouped computation: (token, slot) pairs are sorted by expert and three
+grouped matrix products run over the contiguous groups — no Python loop over tokens. The products
+go through `EXPERT_BACKENDS[config.moe_backend]`, the seam the low-precision kernels plug into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opencomposer.model.layers import MLP
+
+
+class ReplayError(ValueError):
+    pass
+
+
+@dataclass
+class RouterStats:
+    """Per MoE layer and forward: expert load (tokens per expert) and, under replay, how often the
+    replayed experts disagreed with the router's own choice and how many were replaced as
+    implausible."""
+    load: torch.Tensor
+    mismatch: float | None = None
+    replaced: int = 0
+
+    @property
+    def imbalance(self) -> float:
+        """max load / mean load (1.0 is perfectly balanced)."""
+        mean = self.load.float().mean()
+        return float(self.load.max() / mean) if mean > 0 else 0.0
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (N, K) rows sorted by group, w (G, K, M), offsets (G,) int32 cumulative ends -> (N, M)."""
+    if hasattr(F, "grouped_mm") and x.device.type in ("cpu", "cuda"):
+        return F.grouped_mm(x, w, offs=offsets)
+    out, start = [], 0  # older torch: a loop over experts (never over tokens)
+    for g, end in enumerate(offsets.tolist()):
+        out.append(x[start:end] @ w[g])
+        start = end
+    return torch.cat(out)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: grouped_mm's backward rejects the
+    stride-0 gradients that reductions like `.sum()` produce."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def torch_experts(x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The reference expert backend: SwiGLU over sorted tokens with grouped products.
+    gate_up (E, 2I, D) and down (E, D, I) are in nn.Linear (out, in) layout."""
+    h = grouped_mm(x, gate_up.transpose(1, 2), offsets)
+    g, u = h.chunk(2, dim=-1)
+    return _ContiguousGrad.apply(grouped_mm(F.silu(g) * u, down.transpose(1, 2), offsets))
+
+
+# name -> fn(x_sorted (N, D), offsets (E,) int32, gate_up (E, 2I, D), down (E, D, I)) -> (N, D).
+# The kernels issue registers its low-precision paths here; `moe_backend` in the config selects one.
+EXPERT_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_experts}
+
+
+class Router(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.n_experts = cfg.n_routed_experts
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.plausibility = cfg.replay_plausibility
+        self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts))
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The router's own top-k (N, k) by biased scores within the best groups."""
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            per = choice.view(-1, self.n_group, self.n_experts // self.n_group)
+            group_scores = per.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.n_experts // self.n_group, dim=1), float("-inf"))
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def replay(self, scores: torch.Tensor, own: torch.Tensor, replayed: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Use the sampler's experts, except those whose score falls below `plausibility` times the
+        lowest score among the router's own top-k: those are replaced by the router's best
+        candidates not already used (report §6.2; the threshold's form is ours, the report does not
+        give it)."""
+        if self.plausibility <= 0:
+            return replayed, 0
+        own_scores = scores.gather(1, own)
+        tau = self.plausibility * own_scores.min(dim=1, keepdim=True).values
+        keep = scores.gather(1, replayed) >= tau
+        if bool(keep.all()):
+            return replayed, 0
+        k = self.top_k
+        # own candidates, best first, that are not already kept from the replay
+        order = own_scores.argsort(dim=1, descending=True)
+        own_sorted = own.gather(1, order)
+        used = ((own_sorted[:, :, None] == replayed[:, None, :]) & keep[:, None, :]).any(-1)
+        ar = torch.arange(k)[None]
+        avail_first = torch.where(used, ar + k, ar).argsort(dim=1)
+        candidates = own_sorted.gather(1, avail_first)
+        slot = ((~keep).cumsum(dim=1) - 1).clamp(min=0)
+        return torch.where(keep, replayed, candidates.gather(1, slot)), int((~keep).sum())
+
+    def forward(self, x: torch.Tensor, replayed: torch.Tensor | None = None):
+        """x (N, D) -> (indices (N, k), gates (N, k) float32, stats)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        own = self.choose(scores)
+        if replayed is None:
+            idx, mismatch, replaced = own, None, 0
+        else:
+            if replayed.shape != own.shape:
+                raise ReplayError(f"replayed experts have shape {tuple(replayed.shape)}, expected {tuple(own.shape)}")
+            replayed = replayed.to(torch.long)
+            if replayed.numel() and (int(replayed.min()) < 0 or int(replayed.max()) >= self.n_experts):
+                raise ReplayError(f"replayed expert index outside 0..{self.n_experts - 1}")
+            # mismatch: fraction of replayed (token, expert) pairs the router would not have chosen
+            agree = (replayed[:, :, None] == own[:, None, :]).any(-1)
+            mismatch = float(1 - agree.float().mean()) if agree.numel() else 0.0
+            idx, replaced = self.replay(scores, own, replayed)
+        gates = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        load = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        return idx, gates * self.scaling, RouterStats(load=load, mismatch=mismatch, replaced=replaced)
+
+    @torch.no_grad()
+    def balance_(self, load: torch.Tensor, rate: float = 1e-3) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): raise the bias of under-loaded
+        experts and lower it for over-loaded ones by `rate`."""
+        self.e_score_correction_bias += rate * torch.sign(load.float().mean() - load.float())
+
+
+class Experts(nn.Module):
+    """Routed experts stored fused: gate_up (E, 2I, D), down (E, D, I)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down = nn.Parameter(torch.empty(e, d, i))
+        self.backend = cfg.moe_backend
+        if self.backend not in EXPERT_BACKENDS:
+            raise ValueError(f"moe_backend {self.backend!r} is not registered (have: {sorted(EXPERT_BACKENDS)})")
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        offsets = torch.bincount(flat, minlength=self.gate_up.shape[0]).cumsum(0).to(torch.int32)
+        y = EXPERT_BACKENDS[self.backend](x[token], offsets, self.gate_up, self.down)
+        y = y * gates.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) \
+            if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, replayed: torch.Tensor | None = None):
+        """x (B, T, D); replayed (B, T, k) or None -> (out, indices (B, T, k), stats)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, gates, stats = self.gate(flat, None if replayed is None else replayed.reshape(-1, replayed.shape[-1]))
+        out = self.experts(flat, idx, gates).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, idx.view(*shape[:-1], -1), stats
