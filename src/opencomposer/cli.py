@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from pathlib import Path
 
 
@@ -344,6 +345,34 @@ def cmd_model_import_default(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
+    import os
+    import signal
+
+    from opencomposer.inference.server import ServeConfig, make_server
+    from opencomposer.model.errors import ModelLoadError
+    from opencomposer.tokenizer.bpe import TokenizerError
+
+    cfg = ServeConfig(model=Path(ns.model) if ns.model else None, name=ns.name, host=ns.host, port=ns.port,
+                      slots=ns.slots, max_len=ns.max_len,
+                      admin_token=ns.admin_token or os.environ.get("OPENCOMPOSER_ADMIN_TOKEN"))
+    try:
+        server = make_server(cfg, _data_dir() / "models" / "smollm2-135m-instruct").start()
+    except (ModelLoadError, TokenizerError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {server.name} at {server.url} (admin endpoint {'on' if cfg.admin_token else 'off'})",
+          file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.stop()
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer import report
     from opencomposer.core.rundir import RunDir
@@ -434,6 +463,16 @@ def build_parser() -> argparse.ArgumentParser:
     mi = mo.add_parser("import-default", help="the embedded SmolLM2-135M-Instruct GGUF -> a Hugging Face model folder")
     mi.add_argument("--out", help="default: $OPENCOMPOSER_DATA/models/smollm2-135m-instruct")
     mi.set_defaults(fn=cmd_model_import_default)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server over our engine (default: the embedded model)")
+    sv.add_argument("--model", help="a model folder (default: the embedded SmolLM2-135M-Instruct, imported once)")
+    sv.add_argument("--name", help="the served model name (default: the folder name)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--slots", type=int, default=32, help="concurrent sequences")
+    sv.add_argument("--max-len", type=int, help="tokens per sequence (default: the model's context)")
+    sv.add_argument("--admin-token", help="enables POST /admin/weights (or $OPENCOMPOSER_ADMIN_TOKEN)")
+    sv.set_defaults(fn=cmd_serve)
 
     rep = sub.add_parser("report", help="(re)write the report card of a run folder")
     rep.add_argument("run_dir")

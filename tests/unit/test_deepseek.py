@@ -169,6 +169,8 @@ def test_plausibility_filter_on_known_scores():
              (1, 2): ([[1, 0]], 1),  # 1 is kept; 2 -> 0
              (2, 0): ([[1, 0]], 1),  # 0 is kept, so 2 -> the next candidate, 1
              (3, 1): ([[3, 1]], 0)}  # both plausible: the replay is obeyed
+    cases[(-1, 3)] = ([[0, 3]], 0)   # -1 (not recorded): the router fills it, not counted as replaced
+    cases[(1, -1)] = ([[1, 0]], 0)
     for replayed, (want, n) in cases.items():
         got, replaced = router.replay(scores, own, torch.tensor([replayed]))
         assert got.tolist() == want and replaced == n, replayed

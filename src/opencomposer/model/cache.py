@@ -111,7 +111,9 @@ class KVCache:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
            ) -> torch.Tensor:
-    """Scaled dot-product attention; causal when `mask` is None (keys and queries aligned)."""
+    """Scaled dot-product attention; causal when `mask` is None (keys and queries aligned). Keys
+    and values may have fewer heads than queries (grouped-query attention)."""
+    gqa = k.shape[1] != q.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

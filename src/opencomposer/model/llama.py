@@ -78,8 +78,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(self.layer, rows, k, v)
-        rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        out = attend(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), mask)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

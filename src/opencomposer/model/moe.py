@@ -108,27 +108,27 @@ class Router(nn.Module):
         return choice.topk(self.top_k, dim=-1).indices
 
     def replay(self, scores: torch.Tensor, own: torch.Tensor, replayed: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Use the sampler's experts, except those whose score falls below `plausibility` times the
-        lowest score among the router's own top-k: those are replaced by the router's best
-        candidates not already used (report §6.2; the threshold's form is ours, the report does not
-        give it)."""
-        if self.plausibility <= 0:
-            return replayed, 0
+        """Use the sampler's experts, except (a) entries of -1 (not recorded, e.g. a sequence's
+        last token) and (b) experts whose score falls below `plausibility` times the lowest score
+        among the router's own top-k: both are filled with the router's best candidates not
+        already used (report §6.2; the threshold's form is ours, the report does not give it).
+        Returns the experts and how many implausible ones were replaced."""
+        recorded = replayed >= 0
+        keep = recorded.clone()
         own_scores = scores.gather(1, own)
-        tau = self.plausibility * own_scores.min(dim=1, keepdim=True).values
-        keep = scores.gather(1, replayed) >= tau
+        if self.plausibility > 0:
+            tau = self.plausibility * own_scores.min(dim=1, keepdim=True).values
+            keep &= scores.gather(1, replayed.clamp(min=0)) >= tau
         if bool(keep.all()):
             return replayed, 0
         k = self.top_k
-        # own candidates, best first, that are not already kept from the replay
-        order = own_scores.argsort(dim=1, descending=True)
-        own_sorted = own.gather(1, order)
+        # the router's candidates, best first, that are not already kept from the replay
+        own_sorted = own.gather(1, own_scores.argsort(dim=1, descending=True))
         used = ((own_sorted[:, :, None] == replayed[:, None, :]) & keep[:, None, :]).any(-1)
         ar = torch.arange(k)[None]
-        avail_first = torch.where(used, ar + k, ar).argsort(dim=1)
-        candidates = own_sorted.gather(1, avail_first)
+        candidates = own_sorted.gather(1, torch.where(used, ar + k, ar).argsort(dim=1))
         slot = ((~keep).cumsum(dim=1) - 1).clamp(min=0)
-        return torch.where(keep, replayed, candidates.gather(1, slot)), int((~keep).sum())
+        return torch.where(keep, replayed, candidates.gather(1, slot)), int((recorded & ~keep).sum())
 
     def forward(self, x: torch.Tensor, replayed: torch.Tensor | None = None):
         """x (N, D) -> (indices (N, k), gates (N, k) float32, stats)."""
@@ -140,11 +140,13 @@ class Router(nn.Module):
             if replayed.shape != own.shape:
                 raise ReplayError(f"replayed experts have shape {tuple(replayed.shape)}, expected {tuple(own.shape)}")
             replayed = replayed.to(torch.long)
-            if replayed.numel() and (int(replayed.min()) < 0 or int(replayed.max()) >= self.n_experts):
-                raise ReplayError(f"replayed expert index outside 0..{self.n_experts - 1}")
-            # mismatch: fraction of replayed (token, expert) pairs the router would not have chosen
+            if replayed.numel() and (int(replayed.min()) < -1 or int(replayed.max()) >= self.n_experts):
+                raise ReplayError(f"replayed expert index outside 0..{self.n_experts - 1} (or -1: not recorded)")
+            # mismatch: fraction of recorded (token, expert) pairs the router would not have chosen
+            recorded = replayed >= 0
             agree = (replayed[:, :, None] == own[:, None, :]).any(-1)
-            mismatch = float(1 - agree.float().mean()) if agree.numel() else 0.0
+            n = int(recorded.sum())
+            mismatch = float(((~agree) & recorded).sum()) / n if n else 0.0
             idx, replaced = self.replay(scores, own, replayed)
         gates = scores.gather(1, idx)
         if self.norm_topk_prob:

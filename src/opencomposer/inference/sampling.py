@@ -1,0 +1,71 @@
+"""Sampling parameters and the per-row sampler.
+
+The log-probability reported for a sampled token is log softmax(logits / temperature) at that token
+— before top-k/top-p truncation — because that is what the trainer recomputes
+(`model.loss.token_logprobs(..., temperature)`) for importance ratios (report §4). With temperature
+0 (greedy) it is the plain log softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters (the server answers 400)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+
+    def validate(self) -> "SamplingParams":
+        if not 0.0 <= self.temperature <= 100.0:
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise SamplingError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if len(self.stop) > 8:
+            raise SamplingError("at most 8 stop strings")
+        return self
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+           ) -> tuple[int, float, list[tuple[int, float]]]:
+    """One token from a (V,) row: (token, its log-probability, top alternatives)."""
+    logits = logits.float()
+    t = params.temperature
+    logp = torch.log_softmax(logits / (t if t > 0 else 1.0), dim=-1)
+    if t == 0:
+        tok = int(logits.argmax())
+    else:
+        probs = logp.exp()
+        if params.top_k and params.top_k < probs.numel():
+            kth = probs.topk(params.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if params.top_p < 1.0:
+            sp, si = probs.sort(descending=True)
+            cum = sp.cumsum(0)
+            drop = cum - sp > params.top_p * cum[-1]  # keep the smallest prefix reaching top_p
+            sp[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        tok = int(torch.multinomial(probs, 1, generator=gen))
+    top = []
+    if params.top_logprobs:
+        v, i = logp.topk(params.top_logprobs)
+        top = list(zip(i.tolist(), v.tolist()))
+    return tok, float(logp[tok]), top
