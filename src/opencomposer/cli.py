@@ -354,7 +354,7 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer.tokenizer.bpe import TokenizerError
 
     cfg = ServeConfig(model=Path(ns.model) if ns.model else None, name=ns.name, host=ns.host, port=ns.port,
-                      slots=ns.slots, max_len=ns.max_len,
+                      slots=ns.slots, max_len=ns.max_len, speculative=ns.speculative,
                       admin_token=ns.admin_token or os.environ.get("OPENCOMPOSER_ADMIN_TOKEN"))
     try:
         server = make_server(cfg, _data_dir() / "models" / "smollm2-135m-instruct").start()
@@ -471,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--slots", type=int, default=32, help="concurrent sequences")
     sv.add_argument("--max-len", type=int, help="tokens per sequence (default: the model's context)")
+    sv.add_argument("--speculative", action="store_true", help="MTP speculative decoding (models with MTP heads)")
     sv.add_argument("--admin-token", help="enables POST /admin/weights (or $OPENCOMPOSER_ADMIN_TOKEN)")
     sv.set_defaults(fn=cmd_serve)
 

@@ -161,7 +161,10 @@ def test_client_disconnect_mid_stream_frees_the_slot(llama_server):
     s = socket.create_connection((host, port), timeout=10)
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    assert b"data:" in s.recv(4096)
+    got, deadline = b"", time.monotonic() + 30
+    while b"data:" not in got and time.monotonic() < deadline:
+        got += s.recv(4096)
+    assert b"data:" in got
     s.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (srv.engine.stats["aborted"] == aborted or srv.engine._running):

@@ -244,3 +244,14 @@ def test_sharded_save_writes_an_index(tmp_path, monkeypatch):
     ids = torch.randint(0, 512, (1, 6))
     with torch.no_grad():
         assert torch.equal(load_model(tmp_path / "m").eval()(ids), model(ids))
+
+
+def test_incremental_mtp_matches_the_training_mtp():
+    model = tiny()
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        full = model.run(ids, mtp=True)
+        cache = model.new_cache(1, 32)
+        first = model.mtp_step(full.hidden[:, :6], ids[:, 1:7], cache, [0])
+        rest = [model.mtp_step(full.hidden[:, t:t + 1], ids[:, t + 1:t + 2], cache, [0]) for t in range(6, 11)]
+    assert torch.allclose(torch.cat([first, *rest], 1), full.mtp_logits[0], atol=1e-5)

@@ -180,3 +180,59 @@ def test_background_loop_serves_many_threads():
     for i, s in results.items():
         assert s.prompt == [i + 1, i + 2, i + 3]
         assert (recomputed_logprobs(model, s, 1.0) - torch.tensor(s.logprobs)).abs().max() < 1e-4
+
+
+def _spec_run(model, spec, params, drafter=None):
+    engine = Engine(model, config=EngineConfig(slots=6, max_len=64, speculative=spec))
+    if drafter is not None:
+        engine._draft_logits = lambda live: drafter(model, live)
+    torch.manual_seed(5)
+    seqs = [x for n in (5, 1, 9) for x in engine.submit(torch.randint(0, 512, (n,)).tolist(), params, n=2)]
+    run_all(engine)
+    return seqs, engine
+
+
+def perfect_drafter_fake(model, live):
+    """A FAKE drafter for the accept path: it 'predicts' the main model's own greedy next token by
+    running the full model, so every draft is right."""
+    out = []
+    for s in live:
+        s.pending = []
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([s.prompt + s.tokens]))[0, -1].argmax())
+        out.append(torch.nn.functional.one_hot(torch.tensor(nxt), model.config.vocab_size).float() * 50)
+    return torch.stack(out)
+
+
+def test_mtp_speculative_decoding_reproduces_plain_decoding():
+    model = moe()
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    plain, _ = _spec_run(model, False, greedy)
+    spec, engine = _spec_run(model, True, greedy)  # random MTP heads: drafts mostly rejected
+    assert [s.tokens for s in spec] == [s.tokens for s in plain]
+    assert [s.experts for s in spec] == [s.experts for s in plain]
+    assert all(max(abs(a - b) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4 for x, y in zip(spec, plain))
+    assert engine.stats["drafted"] > 0
+    good, engine = _spec_run(model, True, greedy, perfect_drafter_fake)  # every draft right
+    assert [s.tokens for s in good] == [s.tokens for s in plain]
+    assert [s.experts for s in good] == [s.experts for s in plain]
+    assert engine.stats["accepted"] == engine.stats["drafted"] > 0
+    assert engine.stats["decode_steps"] <= 11  # two tokens per step
+    sampled, _ = _spec_run(model, True, SamplingParams(temperature=1.0, max_tokens=12, seed=1))
+    for s in sampled:  # sampled tokens carry their logprobs under the target model
+        assert (recomputed_logprobs(model, s, 1.0) - torch.tensor(s.logprobs)).abs().max() < 1e-4
+    with pytest.raises(EngineError, match="MTP heads"):
+        Engine(llama(), config=EngineConfig(speculative=True))
+
+
+def test_speculative_sampling_emits_the_target_distribution():
+    from opencomposer.inference.sampling import speculative_accept
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.1, 0.2, 0.6])
+    counts = torch.zeros(4)
+    for _ in range(20000):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        counts[speculative_accept(p, q, d, gen)[1]] += 1
+    assert (counts / counts.sum() - p).abs().max() < 0.015

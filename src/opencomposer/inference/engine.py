@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opencomposer.inference.sampling import SamplingParams, sample
+from opencomposer.inference.sampling import SamplingParams, distribution, sample, speculative_accept, token_info
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Sequence:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     gen: torch.Generator | None = None
     aborted: bool = False
+    # speculative decoding: (main hidden at position i, token i+1) pairs the MTP has not seen yet
+    pending: list = field(default_factory=list)
 
     def wait(self, timeout: float) -> None:
         if not self.done.wait(timeout):
@@ -81,6 +84,11 @@ class EngineConfig:
     """Tokens per sequence, prompt included (default: the model's max_position_embeddings)."""
     detokenize_every: int = 1
     """Check stop strings every this many tokens."""
+    prefill_tokens: int = 8192
+    """Most prompt tokens prefilled in one forward (equal-length prompts are batched)."""
+    speculative: bool = False
+    """MTP speculative decoding: the model's first MTP head drafts one token per step, the main
+    model verifies it in the same forward as the next one (models with MTP heads only)."""
 
 
 class Engine:
@@ -94,6 +102,10 @@ class Engine:
         self.decode = decode  # token ids -> text, for stop strings
         self.version = version
         self.is_moe = hasattr(model.config, "n_routed_experts")
+        self.spec = bool(self.config.speculative)
+        if self.spec and not len(getattr(model, "mtp", ())):
+            raise EngineError("speculative decoding needs a model with MTP heads (num_nextn_predict_layers > 0)")
+        self.mtp_cache = model.new_cache(self.config.slots, self.max_len) if self.spec else None
         self._free = list(range(self.config.slots))
         self._waiting: deque[_Group] = deque()
         self._running: dict[int, Sequence] = {}
@@ -102,7 +114,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0,
-                      "decode_seconds": 0.0, "weight_updates": 0, "aborted": 0}
+                      "decode_seconds": 0.0, "weight_updates": 0, "aborted": 0,
+                      "drafted": 0, "accepted": 0}
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, n: int = 1) -> list[Sequence]:
@@ -119,7 +132,8 @@ class Engine:
         seqs = []
         for i in range(n):
             gen = torch.Generator()
-            gen.manual_seed(params.seed + i if params.seed is not None else torch.seed())
+            # unseeded requests draw from the OS, never from (or into) the global torch RNG a trainer relies on
+            gen.manual_seed(params.seed + i if params.seed is not None else secrets.randbits(63))
             seqs.append(Sequence(id=f"seq-{next(_ids)}", prompt=list(prompt), params=params, gen=gen,
                                  experts=[] if self.is_moe else None))
         with self._cond:
@@ -206,8 +220,7 @@ class Engine:
                 g = self._waiting.popleft()
                 slots = [self._free.pop(0) for _ in g.seqs]
                 admit.append((g, slots))
-        for g, slots in admit:
-            self._prefill(g, slots)
+        self._prefill(admit)
         self._decode()
 
     def _reap(self) -> None:
@@ -222,20 +235,46 @@ class Engine:
                     self._finish(s, "abort")
 
     @torch.no_grad()
-    def _prefill(self, g: _Group, slots: list[int]) -> None:
+    def _prefill(self, admit: list[tuple[_Group, list[int]]]) -> None:
+        """Prompts of equal length are prefilled together in one forward (up to
+        `prefill_tokens` tokens); each group's first slot is then copied to its other slots."""
+        buckets: dict[int, list[tuple[_Group, list[int]]]] = {}
+        for g, slots in admit:
+            buckets.setdefault(len(g.prompt), []).append((g, slots))
+        for length, items in buckets.items():
+            per = max(1, self.config.prefill_tokens // length)
+            for i in range(0, len(items), per):
+                self._prefill_batch(items[i:i + per])
+
+    def _prefill_batch(self, items: list[tuple[_Group, list[int]]]) -> None:
         cache = self.cache
-        cache.reset(slots)
-        out = self.model.run(torch.tensor([g.prompt]), cache=cache, rows=[slots[0]])
-        if len(slots) > 1:
-            cache.copy(slots[0], slots[1:])
-        self.stats["prompt_tokens"] += len(g.prompt)
-        experts = out.routed_experts[0].tolist() if out.routed_experts is not None else None
-        for s, slot in zip(g.seqs, slots):
-            s.slot = slot
-            if experts is not None:
-                s.experts = list(experts)
-            self._running[slot] = s
-            self._emit(s, out.logits[0, -1])
+        firsts = [slots[0] for _, slots in items]
+        every = [s for _, slots in items for s in slots]
+        cache.reset(every)
+        order = sorted(range(len(items)), key=lambda i: firsts[i])  # ascending slots: a view, not a copy
+        items = [items[i] for i in order]
+        ids = torch.tensor([g.prompt for g, _ in items])
+        rows = [slots[0] for _, slots in items]
+        out = self.model.run(ids, cache=cache, rows=rows, logits="last")
+        if self.spec:  # the MTP sees (h_i, token i+1) for the prompt; the last pair waits for the sample
+            self.mtp_cache.reset(every)
+            if ids.shape[1] > 1:
+                self.model.mtp_step(out.hidden[:, :-1], ids[:, 1:], self.mtp_cache, rows)
+        for b, (g, slots) in enumerate(items):
+            if len(slots) > 1:
+                cache.copy(slots[0], slots[1:])
+                if self.spec:
+                    self.mtp_cache.copy(slots[0], slots[1:])
+            self.stats["prompt_tokens"] += len(g.prompt)
+            experts = out.routed_experts[b].tolist() if out.routed_experts is not None else None
+            for s, slot in zip(g.seqs, slots):
+                s.slot = slot
+                if experts is not None:
+                    s.experts = list(experts)
+                self._running[slot] = s
+                self._emit(s, out.logits[b, -1])
+                if self.spec:
+                    s.pending = [(out.hidden[b, -1], s.tokens[-1])]
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -243,21 +282,74 @@ class Engine:
         if not live:
             return
         t0 = time.perf_counter()
+        live.sort(key=lambda s: s.slot)
         rows = torch.tensor([s.slot for s in live])
-        order = rows.argsort()
-        live = [live[i] for i in order.tolist()]
-        rows = rows[order]
-        ids = torch.tensor([[s.tokens[-1]] for s in live])
-        out = self.model.run(ids, cache=self.cache, rows=rows)
-        for i, s in enumerate(live):
-            if out.routed_experts is not None:
-                s.experts.append(out.routed_experts[i, 0].tolist())
-            self._emit(s, out.logits[i, -1])
+        if self.spec and all(len(s.prompt) + len(s.tokens) + 2 <= self.max_len for s in live):
+            self._speculate(live, rows)
+        else:
+            ids = torch.tensor([[s.tokens[-1]] for s in live])
+            out = self.model.run(ids, cache=self.cache, rows=rows, logits="last")
+            for i, s in enumerate(live):
+                if out.routed_experts is not None:
+                    s.experts.append(out.routed_experts[i, 0].tolist())
+                self._emit(s, out.logits[i, -1])
+                if self.spec:
+                    s.pending.append((out.hidden[i, -1], s.tokens[-1]))
         self.stats["decode_steps"] += 1
         self.stats["decode_seconds"] += time.perf_counter() - t0
 
+    def _draft_logits(self, live: list[Sequence]) -> torch.Tensor:
+        """Feed every row's pending (hidden, next token) pairs to the MTP, oldest first, in waves
+        aligned at the newest pair (rows have 1 or 2 pending); the last wave's logits are the
+        drafts' distributions. Returns (R, V)."""
+        depth = max(len(s.pending) for s in live)
+        logits = None
+        for w in range(depth):
+            idx = [i for i, s in enumerate(live) if len(s.pending) >= depth - w]
+            pairs = [live[i].pending[len(live[i].pending) - (depth - w)] for i in idx]
+            h = torch.stack([p[0] for p in pairs])[:, None]
+            nxt = torch.tensor([[p[1]] for p in pairs])
+            out = self.model.mtp_step(h, nxt, self.mtp_cache, [live[i].slot for i in idx])
+            if w == depth - 1:
+                logits = out[:, 0]
+        for s in live:
+            s.pending = []
+        return logits
+
+    def _speculate(self, live: list[Sequence], rows: torch.Tensor) -> None:
+        q_logits = self._draft_logits(live)
+        drafts, qs = [], []
+        for i, s in enumerate(live):
+            q = distribution(q_logits[i], s.params)
+            qs.append(q)
+            drafts.append(int(q.argmax()) if s.params.temperature == 0 else
+                          int(torch.multinomial(q, 1, generator=s.gen)))
+        ids = torch.tensor([[s.tokens[-1], d] for s, d in zip(live, drafts)])
+        out = self.model.run(ids, cache=self.cache, rows=rows)
+        self.stats["drafted"] += len(live)
+        for i, s in enumerate(live):
+            p = distribution(out.logits[i, 0], s.params)
+            ok, tok = speculative_accept(p, qs[i], drafts[i], s.gen)
+            if out.routed_experts is not None:
+                s.experts.append(out.routed_experts[i, 0].tolist())
+            self._append(s, tok, *token_info(out.logits[i, 0], s.params, tok))
+            if not ok:
+                if s.finish_reason is None:
+                    self.cache.lengths[s.slot] -= 1  # drop the rejected draft's KV
+                    s.pending = [(out.hidden[i, 0], tok)]
+                continue
+            self.stats["accepted"] += 1
+            if s.finish_reason is not None:
+                continue
+            if out.routed_experts is not None:
+                s.experts.append(out.routed_experts[i, 1].tolist())
+            self._emit(s, out.logits[i, 1])
+            s.pending = [(out.hidden[i, 0], tok), (out.hidden[i, 1], s.tokens[-1])]
+
     def _emit(self, s: Sequence, logits: torch.Tensor) -> None:
-        tok, lp, top = sample(logits, s.params, s.gen)
+        self._append(s, *sample(logits, s.params, s.gen))
+
+    def _append(self, s: Sequence, tok: int, lp: float, top: list) -> None:
         if s.first_token_at is None:
             s.first_token_at = time.monotonic()
         s.tokens.append(tok)
@@ -292,6 +384,8 @@ class Engine:
         if s.slot is not None and self._running.get(s.slot) is s:
             del self._running[s.slot]
             self.cache.reset([s.slot])
+            if self.mtp_cache is not None:
+                self.mtp_cache.reset([s.slot])
             self._free.append(s.slot)
             self._free.sort()
         s.done.set()

@@ -44,28 +44,59 @@ class SamplingParams:
         return self
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
-           ) -> tuple[int, float, list[tuple[int, float]]]:
-    """One token from a (V,) row: (token, its log-probability, top alternatives)."""
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from: softmax(logits / T) after top-k and top-p, or a
+    one-hot argmax at temperature 0. Speculative decoding compares these for target and draft."""
     logits = logits.float()
+    if params.temperature == 0:
+        return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k and params.top_k < probs.numel():
+        kth = probs.topk(params.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.top_p < 1.0:
+        sp, si = probs.sort(descending=True)
+        cum = sp.cumsum(0)
+        sp[cum - sp > params.top_p * cum[-1]] = 0.0  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(0, si, sp)
+    return probs / probs.sum()
+
+
+def token_info(logits: torch.Tensor, params: SamplingParams, tok: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log-probability of `tok`, top alternatives) as reported to clients and the trainer."""
     t = params.temperature
-    logp = torch.log_softmax(logits / (t if t > 0 else 1.0), dim=-1)
-    if t == 0:
-        tok = int(logits.argmax())
-    else:
-        probs = logp.exp()
-        if params.top_k and params.top_k < probs.numel():
-            kth = probs.topk(params.top_k).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if params.top_p < 1.0:
-            sp, si = probs.sort(descending=True)
-            cum = sp.cumsum(0)
-            drop = cum - sp > params.top_p * cum[-1]  # keep the smallest prefix reaching top_p
-            sp[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, si, sp)
-        tok = int(torch.multinomial(probs, 1, generator=gen))
+    logp = torch.log_softmax(logits.float() / (t if t > 0 else 1.0), dim=-1)
     top = []
     if params.top_logprobs:
         v, i = logp.topk(params.top_logprobs)
         top = list(zip(i.tolist(), v.tolist()))
-    return tok, float(logp[tok]), top
+    return float(logp[tok]), top
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    if float(probs.max()) >= 1.0:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+           ) -> tuple[int, float, list[tuple[int, float]]]:
+    """One token from a (V,) row: (token, its log-probability, top alternatives)."""
+    tok = draw(distribution(logits, params), gen)
+    lp, top = token_info(logits, params, tok)
+    return tok, lp, top
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: int, gen: torch.Generator | None,
+                       ) -> tuple[bool, int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): keep the draft with
+    probability min(1, p/q), else draw from the normalised residual max(0, p - q). The emitted
+    token is distributed exactly as p. Returns (accepted, token)."""
+    qd = float(q[draft])
+    ratio = 1.0 if qd <= 0 else min(1.0, float(p[draft]) / qd)
+    u = float(torch.rand((), generator=gen))
+    if u < ratio:
+        return True, draft
+    residual = (p - q).clamp(min=0)
+    total = float(residual.sum())
+    return False, draw(residual / total if total > 0 else p, gen)

@@ -59,6 +59,8 @@ class ServeConfig:
     max_len: int | None = None
     default_max_tokens: int = 512
     admin_token: str | None = None
+    speculative: bool = False
+    """MTP speculative decoding (models with MTP heads)."""
     request_timeout_s: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
 
@@ -277,6 +279,8 @@ class Server:
         metric("decode_seconds_total", "counter", round(st["decode_seconds"], 6), "time in decode steps")
         metric("aborted_total", "counter", st["aborted"], "sequences aborted")
         metric("weight_updates_total", "counter", st["weight_updates"], "in-flight weight updates applied")
+        metric("spec_drafted_total", "counter", st["drafted"], "MTP draft tokens proposed")
+        metric("spec_accepted_total", "counter", st["accepted"], "MTP draft tokens accepted")
         metric("policy_version", "gauge", self.engine.version, "the served weights' version")
         metric("running", "gauge", len(self.engine._running), "sequences decoding")
         metric("waiting", "gauge", sum(len(g.seqs) for g in self.engine._waiting), "sequences queued")
@@ -524,7 +528,8 @@ class _Handler(BaseHTTPRequestHandler):
                               "usage": o.usage(ids, seqs)})
 
 
-def load_served(folder: Path, *, slots: int = 32, max_len: int | None = None) -> tuple[Engine, Any]:
+def load_served(folder: Path, *, slots: int = 32, max_len: int | None = None, speculative: bool = False,
+                ) -> tuple[Engine, Any]:
     """A model folder -> (engine, tokenizer). The folder must carry its tokenizer.json."""
     from opencomposer.model.errors import ModelLoadError
     from opencomposer.model.hf import load_model
@@ -536,7 +541,11 @@ def load_served(folder: Path, *, slots: int = 32, max_len: int | None = None) ->
         raise ModelLoadError(f"{folder}: tokenizer has {tok.vocab_size} tokens, the model's vocabulary "
                              f"{model.config.vocab_size}")
     eos = tuple(t for t in (tok.eos_id,) if t is not None)
-    engine = Engine(model, config=EngineConfig(slots=slots, max_len=max_len), eos_ids=eos, decode=tok.decode)
+    try:
+        engine = Engine(model, config=EngineConfig(slots=slots, max_len=max_len, speculative=speculative),
+                        eos_ids=eos, decode=tok.decode)
+    except EngineError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
     return engine, tok
 
 
@@ -548,5 +557,5 @@ def make_server(cfg: ServeConfig, default_folder: Path) -> Server:
             from opencomposer.model.interop import import_default
 
             import_default(folder)
-    engine, tok = load_served(Path(folder), slots=cfg.slots, max_len=cfg.max_len)
+    engine, tok = load_served(Path(folder), slots=cfg.slots, max_len=cfg.max_len, speculative=cfg.speculative)
     return Server(engine, tok, cfg.name or Path(folder).name, cfg)

@@ -99,6 +99,8 @@ class KVCache:
             if uniform:
                 s0 = int(starts[0])
                 st[rows, :, s0:s0 + t] = x
+            elif t == 1:  # decoding ragged rows: one scatter, each row at its own offset
+                st[rows, :, starts] = x[:, :, 0]
             else:
                 for i, (r, s0) in enumerate(zip(rows.tolist(), starts.tolist())):
                     st[r, :, s0:s0 + t] = x[i]

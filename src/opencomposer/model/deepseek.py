@@ -266,7 +266,7 @@ class DeepseekModel(nn.Module):
         return rope_tables(self.config.qk_rope_head_dim, self.config.rope_theta, pos, dtype)
 
     def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None,
-            replay: torch.Tensor | None = None, mtp: bool = False, logits: bool = True) -> ForwardOut:
+            replay: torch.Tensor | None = None, mtp: bool = False, logits: bool | str = True) -> ForwardOut:
         """The full forward. `replay` (B, T, n_moe_layers, top_k) overrides the routing with the
         sampler's experts (router replay); `mtp=True` also returns the MTP heads' logits (no cache)."""
         b, t = input_ids.shape
@@ -290,7 +290,7 @@ class DeepseekModel(nn.Module):
         if cache is not None:
             cache.advance(r, t)
         h = self.norm(x)
-        out = ForwardOut(logits=self.lm_head(h) if logits else None, hidden=h, router=stats,
+        out = ForwardOut(logits=self._head(h, logits), hidden=h, router=stats,
                          routed_experts=torch.stack(routed, dim=2) if routed else None)
         if mtp:
             out.mtp_logits = self.mtp_forward(h, input_ids, pos)
@@ -309,6 +309,26 @@ class DeepseekModel(nn.Module):
             h = module(h[:, :n], emb, cos, sin)
             logits.append(self.lm_head(module.norm(h)))
         return logits
+
+    def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, cache: KVCache, rows) -> torch.Tensor:
+        """Incremental depth-1 MTP for speculative decoding: main hidden states h (R, t, D) at the
+        MTP cache's next positions and the tokens that followed them (R, t) -> logits (R, t, V)
+        for the token after those. `cache` is the MTP's own cache (it runs one position behind
+        the main model's)."""
+        module = self.mtp[0]
+        r = cache.rows_tensor(rows)
+        t = next_ids.shape[1]
+        pos, mask = cache.positions(r, t), cache.mask(r, t)
+        cos, sin = self._rope(pos, h.dtype)
+        x = module(h, self.embed_tokens(next_ids), cos, sin, cache, r, mask)
+        cache.advance(r, t)
+        return self.lm_head(module.norm(x))
+
+    def _head(self, h: torch.Tensor, which: bool | str) -> torch.Tensor | None:
+        """Logits for every position (True), only the last ("last": what sampling needs), or none."""
+        if which == "last":
+            return self.lm_head(h[:, -1:])
+        return self.lm_head(h) if which else None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.run(input_ids).logits

@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
     def new_cache(self, slots: int, max_len: int | None = None) -> KVCache:
         return KVCache(len(self.layers), slots, max_len or self.config.max_position_embeddings)
 
-    def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None, logits: bool = True,
+    def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None, logits: bool | str = True,
             **_) -> ForwardOut:
         """The full forward. With a cache, `rows` are the cache slots of the batch rows (default:
         all slots) and each row continues from its own length."""
@@ -127,7 +127,13 @@ class LlamaModel(nn.Module):
         if cache is not None:
             cache.advance(r, t)
         h = self.norm(x)
-        return ForwardOut(logits=self.lm_head(h) if logits else None, hidden=h)
+        return ForwardOut(logits=self._head(h, logits), hidden=h)
+
+    def _head(self, h: torch.Tensor, which: bool | str) -> torch.Tensor | None:
+        """Logits for every position (True), only the last ("last": what sampling needs), or none."""
+        if which == "last":
+            return self.lm_head(h[:, -1:])
+        return self.lm_head(h) if which else None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.run(input_ids).logits
