@@ -77,7 +77,21 @@ def model_section(s: dict) -> list[str]:
             "````", s["answer"].strip(), "````", "", f"Writes code: {_yes(s['writes_code'])}.", ""]
 
 
-SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section}
+def inference_section(s: dict) -> list[str]:
+    before, after = s["versions_before_after"]
+    return ["## Inference", "",
+            "The same model served by our engine behind the OpenAI-compatible server, driven by the official "
+            "`openai` client.", "",
+            "| time to first token | batched sampling | train/serve logprob drift | weight swap | "
+            "tokens before/after the swap |", "|---|---|---|---|---|",
+            f"| {s['ttft_ms']:.0f} ms | n={s['samples']}: {s['completion_tokens']} tokens at "
+            f"{s['tokens_per_second']:.1f} tok/s ({s['distinct_samples']} distinct) | {s['max_logprob_drift']:.1e} | "
+            f"{s['swap_seconds'] * 1e3:.0f} ms | {before} (v0) / {after} (v1): {_yes(s['version_switch_ok'])} |", "",
+            f"First sample for _{s['prompt']}_:", "", "````", (s["answer"] or "").strip(), "````", ""]
+
+
+SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section,
+            "inference": inference_section}
 
 
 def render(run_dir: RunDir) -> str:

@@ -4,7 +4,9 @@ Stages so far: sandbox (isolation checks, real tests in a sandbox, snapshot/fork
 latency); harness (the agent loop fixing a planted bug through the real tools, graded in a fresh
 sandbox); evals (a benchmark built from real code, every task gated, the runner calibrated with
 oracle = 100% and noop = 0%); model (the embedded SmolLM2 imported from GGUF and run by our own
-Llama code, tokenizer and chat renderer). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
+Llama code, tokenizer and chat renderer); inference (that model served by our engine behind the
+OpenAI-compatible server: latency, batched sampling, train/serve numerics, an in-flight weight
+swap). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
 into its own folder of the run so that `report.py` can read the run folder alone.
 """
 
@@ -19,6 +21,7 @@ from opencomposer.core.metrics import EventLog, MetricsWriter
 from opencomposer.core.rundir import RunDir
 from opencomposer.evals import stage as evals_stage
 from opencomposer.harness import stage as harness_stage
+from opencomposer.inference import stage as inference_stage
 from opencomposer.model import stage as model_stage
 from opencomposer.sandbox import stage as sandbox_stage
 
@@ -34,6 +37,7 @@ class SpeedrunConfig:
     harness: harness_stage.HarnessStageConfig = field(default_factory=harness_stage.HarnessStageConfig)
     evals: evals_stage.EvalsStageConfig = field(default_factory=evals_stage.EvalsStageConfig)
     model: model_stage.ModelStageConfig = field(default_factory=model_stage.ModelStageConfig)
+    inference: inference_stage.InferenceStageConfig = field(default_factory=inference_stage.InferenceStageConfig)
 
 
 def run(cfg: SpeedrunConfig) -> RunDir:
@@ -49,7 +53,7 @@ def run(cfg: SpeedrunConfig) -> RunDir:
     metrics = MetricsWriter(run_dir.metrics)
     log.info("speedrun -> %s", run_dir.root)
     stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled), ("evals", cfg.evals.enabled),
-              ("model", cfg.model.enabled)]
+              ("model", cfg.model.enabled), ("inference", cfg.inference.enabled)]
     with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         for name, enabled in stages:
             if not enabled:
@@ -72,6 +76,10 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                 elif name == "model":
                     task = bar.add_task("model: import SmolLM2, answer a coding prompt", total=None)
                     model_stage.run(cfg.model, run_dir, metrics)
+                    bar.update(task, total=1, completed=1)
+                elif name == "inference":
+                    task = bar.add_task("inference: serve it, sample, check numerics, swap weights", total=None)
+                    inference_stage.run(cfg.inference, run_dir, metrics)
                     bar.update(task, total=1, completed=1)
             except Exception as e:
                 events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")

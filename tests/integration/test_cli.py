@@ -46,7 +46,7 @@ def test_doctor_json():
 
 def test_speedrun_small(tmp_path):
     r = cli("speedrun", f"--out_dir={tmp_path}", "--sandbox.latency_samples=3", "--evals.passes=1",
-            "--evals.benchmark.sources=[\"colorsys\"]")
+            "--evals.benchmark.sources=[\"colorsys\"]", "--inference.samples=4", "--inference.max_tokens=12")
     assert r.returncode == 0, r.stderr[-3000:]
     (run,) = list(tmp_path.iterdir())
     summary = json.loads((run / "sandbox" / "summary.json").read_text())
@@ -62,8 +62,12 @@ def test_speedrun_small(tmp_path):
     assert events == [("stage_start", "sandbox"), ("stage_end", "sandbox"),
                       ("stage_start", "harness"), ("stage_end", "harness"),
                       ("stage_start", "evals"), ("stage_end", "evals"),
-                      ("stage_start", "model"), ("stage_end", "model")]
+                      ("stage_start", "model"), ("stage_end", "model"),
+                      ("stage_start", "inference"), ("stage_end", "inference")]
     model = json.loads((run / "model" / "summary.json").read_text())
     assert model["writes_code"] and model["parameters"] > 100e6 and "## Model" in report
     evals = json.loads((run / "evals" / "summary.json").read_text())
     assert evals["calibrated"] and evals["tasks"] >= 4 and "## Tasks and evals" in report
+    inference = json.loads((run / "inference" / "summary.json").read_text())
+    assert inference["max_logprob_drift"] < 1e-3 and inference["version_switch_ok"] and "## Inference" in report
+    assert inference["completion_tokens"] > 0 and inference["ttft_ms"] > 0
