@@ -30,6 +30,8 @@ bench: setup
 	$(PY) benchmarks/sandbox.py
 	$(PY) benchmarks/harness.py
 	$(PY) benchmarks/evals.py
+	$(PY) benchmarks/model.py
+	$(PY) benchmarks/inference.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -119,3 +119,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def segment_positions_and_mask(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Packed training sequences: segment ids (B, T) -> positions restarting at every document and
+    a (B, 1, T, T) mask that is causal within a document and closed across documents."""
+    b, t = segments.shape
+    same = segments[:, :, None] == segments[:, None, :]
+    mask = (same & torch.ones(t, t, dtype=torch.bool).tril())[:, None]
+    ar = torch.arange(t)[None].expand(b, t)
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start = torch.cummax(torch.where(first, ar, torch.zeros_like(ar)), dim=1).values
+    return ar - start, mask, None

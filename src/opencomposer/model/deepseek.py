@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from torch import nn
 
-from opencomposer.model.cache import KVCache, attend
+from opencomposer.model.cache import KVCache, attend, segment_positions_and_mask
 from opencomposer.model.errors import ModelLoadError
 from opencomposer.model.layers import (
     MLP,
@@ -266,12 +266,15 @@ class DeepseekModel(nn.Module):
         return rope_tables(self.config.qk_rope_head_dim, self.config.rope_theta, pos, dtype)
 
     def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None,
-            replay: torch.Tensor | None = None, mtp: bool = False, logits: bool | str = True) -> ForwardOut:
+            replay: torch.Tensor | None = None, mtp: bool = False, logits: bool | str = True,
+            segments: torch.Tensor | None = None) -> ForwardOut:
         """The full forward. `replay` (B, T, n_moe_layers, top_k) overrides the routing with the
         sampler's experts (router replay); `mtp=True` also returns the MTP heads' logits (no cache)."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if cache is None:
+        if cache is None and segments is not None:
+            pos, mask, r = segment_positions_and_mask(segments)
+        elif cache is None:
             pos, mask, r = torch.arange(t)[None].expand(b, t), None, None
         else:
             r = cache.rows_tensor(rows)
@@ -293,10 +296,11 @@ class DeepseekModel(nn.Module):
         out = ForwardOut(logits=self._head(h, logits), hidden=h, router=stats,
                          routed_experts=torch.stack(routed, dim=2) if routed else None)
         if mtp:
-            out.mtp_logits = self.mtp_forward(h, input_ids, pos)
+            out.mtp_logits = self.mtp_forward(h, input_ids, pos, mask)
         return out
 
-    def mtp_forward(self, h: torch.Tensor, input_ids: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+    def mtp_forward(self, h: torch.Tensor, input_ids: torch.Tensor, pos: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time MTP over a whole sequence: depth d sees hidden states at positions
         0..T-2-d and the embeddings of the tokens at 1+d..T-1, and predicts tokens 2+d..T."""
         logits = []
@@ -306,7 +310,7 @@ class DeepseekModel(nn.Module):
                 break
             emb = self.embed_tokens(input_ids[:, 1 + d: 1 + d + n])
             cos, sin = self._rope(pos[:, :n], h.dtype)
-            h = module(h[:, :n], emb, cos, sin)
+            h = module(h[:, :n], emb, cos, sin, None, None, None if mask is None else mask[:, :, :n, :n])
             logits.append(self.lm_head(module.norm(h)))
         return logits
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from opencomposer.model.cache import KVCache, attend
+from opencomposer.model.cache import KVCache, attend, segment_positions_and_mask
 from opencomposer.model.errors import ModelLoadError
 from opencomposer.model.layers import MLP, ForwardOut, RMSNorm, apply_rope, init_weights, rope_tables
 
@@ -111,12 +111,14 @@ class LlamaModel(nn.Module):
         return KVCache(len(self.layers), slots, max_len or self.config.max_position_embeddings)
 
     def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None, logits: bool | str = True,
-            **_) -> ForwardOut:
+            segments: torch.Tensor | None = None, **_) -> ForwardOut:
         """The full forward. With a cache, `rows` are the cache slots of the batch rows (default:
         all slots) and each row continues from its own length."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if cache is None:
+        if cache is None and segments is not None:
+            pos, mask, r = segment_positions_and_mask(segments)
+        elif cache is None:
             pos, mask, r = torch.arange(t)[None].expand(b, t), None, None
         else:
             r = cache.rows_tensor(rows)

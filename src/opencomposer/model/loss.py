@@ -108,9 +108,13 @@ def token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     return out.view(targets.shape)
 
 
-def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy of a model from `model/` (labels default to the inputs; position t
-    predicts label t+1, as in `transformers`)."""
-    labels = input_ids if labels is None else labels
-    h = model.run(input_ids, logits=False).hidden
-    return cross_entropy(h[:, :-1], model.lm_head.weight, labels[:, 1:])
+    predicts label t+1, as in `transformers`). With packed documents (`segments`), attention stays
+    within each document and the prediction across a boundary is not trained."""
+    targets = (input_ids if labels is None else labels)[:, 1:]
+    if segments is not None:
+        targets = targets.masked_fill(segments[:, 1:] != segments[:, :-1], IGNORE)
+    h = model.run(input_ids, logits=False, segments=segments).hidden
+    return cross_entropy(h[:, :-1], model.lm_head.weight, targets)

@@ -1,0 +1,1 @@
+"""Training: data mixes, continued pretraining, SFT, base-model evals (layer 3)."""

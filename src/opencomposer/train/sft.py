@@ -1,0 +1,179 @@
+"""`opencomposer sft -c recipe.toml`: supervised fine-tuning on agent trajectories (report §2).
+
+Examples come from harness trajectories (`trajectory.json` files: every segment is one training
+conversation — the context the policy saw plus its completions, tool calls included) or from JSONL
+files of `{"messages": [...], "tools": [...]}`. Each is rendered by the one chat renderer
+(`tokenizer/chat.py`) with the loss on assistant tokens only; the same renderer serves rollouts
+and the server, so the template cannot drift between SFT, RL and serving.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from opencomposer.core.metrics import MetricsWriter
+from opencomposer.core.rundir import RunDir
+from opencomposer.model.loss import IGNORE
+from opencomposer.train.pretrain import export, load_base
+from opencomposer.train.trainer import OptimConfig, PhaseConfig, Trainer, TrainError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SFTConfig:
+    model: str = "default"
+    data: tuple[str, ...] = ()
+    """Trajectory files, folders of them (searched for trajectory*.json), or .jsonl files."""
+    phases: tuple[PhaseConfig, ...] = (PhaseConfig(name="sft", steps=50, seq_len=1024, lr=2e-5, warmup=5),)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(batch_size=2))
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    out_dir: Path = Path("runs")
+    name: str = "sft"
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    labels: list[int]
+    """Aligned with ids: the token itself where the loss applies, IGNORE elsewhere."""
+
+
+def conversations(paths: tuple[str, ...], default_tools: list[dict]) -> list[tuple[list[dict], list[dict]]]:
+    """(messages, tools) pairs from trajectories and JSONL files."""
+    from opencomposer.harness.trajectory import Trajectory
+
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(p.rglob("trajectory*.json")) + sorted(p.rglob("*.jsonl"))
+        elif p.exists():
+            found.append(p)
+        else:
+            raise TrainError(f"SFT data {p} does not exist")
+    convs = []
+    for f in found:
+        if f.suffix == ".jsonl":
+            for i, line in enumerate(f.read_text().splitlines()):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    convs.append((rec["messages"], rec.get("tools") or []))
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise TrainError(f"{f}:{i + 1}: not a {{'messages': [...]}} record ({e})") from None
+        elif f.name.endswith(".atif.json"):
+            continue
+        else:
+            try:
+                traj = Trajectory.load(f)
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise TrainError(f"{f}: not a trajectory ({e})") from None
+            for seg in traj.segments:
+                if any(m.get("role") == "assistant" for m in seg.messages):
+                    convs.append((seg.messages, traj.extra.get("tools") or default_tools))
+    if not convs:
+        raise TrainError(f"no conversations with assistant turns in {list(paths)}")
+    return convs
+
+
+def encode(renderer, messages: list[dict], tools: list[dict], max_len: int) -> Example:
+    seq = renderer.encode(messages, tools or None)
+    ids = seq.ids[:max_len]
+    labels = [t if m else IGNORE for t, m in zip(seq.ids, seq.loss_mask)][:max_len]
+    return Example(ids, labels)
+
+
+def collate(batch: list[Example], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest; padding is its own segment and never a target."""
+    n = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), n), pad, dtype=torch.long)
+    lab = torch.full((len(batch), n), IGNORE, dtype=torch.long)
+    seg = torch.ones((len(batch), n), dtype=torch.long)
+    for i, e in enumerate(batch):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        lab[i, : len(e.labels)] = torch.tensor(e.labels)
+        seg[i, : len(e.ids)] = 0
+    return ids, seg, lab[:, 1:]
+
+
+def default_tool_schemas() -> list[dict]:
+    from opencomposer.harness.tools import build_toolset
+
+    return build_toolset().schemas()
+
+
+@torch.no_grad()
+def mean_loss(model, examples: list[Example], pad: int, batch_size: int) -> float | None:
+    from opencomposer.model.loss import cross_entropy
+
+    if not examples:
+        return None
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        ids, seg, lab = collate(examples[i:i + batch_size], pad)
+        h = model.run(ids, logits=False, segments=seg).hidden
+        n = int((lab != IGNORE).sum())
+        if n:
+            total += float(cross_entropy(h[:, :-1], model.lm_head.weight, lab)) * n
+            count += n
+    model.train(was)
+    return total / count if count else None
+
+
+def run(cfg: SFTConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path("data"), progress=None) -> dict:
+    from opencomposer.tokenizer.chat import ChatRenderer
+
+    run_dir = run_dir or RunDir.create(cfg.out_dir, cfg.name)
+    run_dir.write_config(cfg)
+    torch.manual_seed(cfg.seed)
+    model, tok, folder = load_base(cfg.model, data_dir)
+    renderer = ChatRenderer(tok)
+    max_len = max(p.seq_len for p in cfg.phases)
+    convs = conversations(cfg.data, default_tool_schemas())
+    examples = [encode(renderer, m, t, max_len) for m, t in convs]
+    examples = [e for e in examples if any(x != IGNORE for x in e.labels[1:])]
+    if not examples:
+        raise TrainError("no example has an assistant token within the sequence length")
+    rng = random.Random(cfg.seed)
+    rng.shuffle(examples)
+    n_held = int(len(examples) * cfg.heldout_fraction) if len(examples) > 4 else 0
+    held, train = examples[:n_held], examples[n_held:]
+    pad = tok.eos_id if tok.eos_id is not None else 0
+    order = {"epoch": 0, "i": 0}
+
+    def batches(pi: int, phase: PhaseConfig):
+        out = []
+        for _ in range(cfg.optim.batch_size):
+            if order["i"] >= len(train):
+                order["epoch"] += 1
+                order["i"] = 0
+            idx = list(range(len(train)))
+            random.Random(cfg.seed + order["epoch"]).shuffle(idx)
+            ex = train[idx[order["i"]]]
+            order["i"] += 1
+            out.append(Example(ex.ids[: phase.seq_len], ex.labels[: phase.seq_len]))
+        return collate(out, pad)
+
+    with MetricsWriter(run_dir.metrics) as metrics:
+        trainer = Trainer(model, cfg.optim, cfg.phases, run_dir.root / "checkpoints", metrics,
+                          tokenizer_json=folder / "tokenizer.json")
+        pos = trainer.resume()
+        order.update(pos.get("order", {}))
+        before = mean_loss(model, held or train[:8], pad, cfg.optim.batch_size)
+        history = trainer.run(batches, lambda: {"order": dict(order)}, on_progress=progress)
+        after = mean_loss(model, held or train[:8], pad, cfg.optim.batch_size)
+        metrics.log(step=trainer.step, sft_loss_before=before, sft_loss_after=after)
+    out = export(model, folder, run_dir.root / "model")
+    summary = {"base": str(folder), "model": str(out), "examples": len(train), "heldout_examples": len(held),
+               "assistant_tokens": sum(sum(1 for x in e.labels if x != IGNORE) for e in train),
+               "steps": trainer.step, "loss_before": before, "loss_after": after,
+               "final_train_loss": history[-1]["loss"] if history else None}
+    run_dir.write_json("summary.json", summary)
+    return summary
