@@ -373,6 +373,57 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _train_progress(total: int, label: str):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    bar = Progress(console=Console(stderr=True))
+    task = bar.add_task(label, total=total)
+
+    def update(step: int, rec: dict) -> None:
+        bar.update(task, completed=step, description=f"{label} {rec['phase']} loss {rec['loss']:.3f}")
+    return bar, update
+
+
+def cmd_pretrain(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.core.config import load_config
+    from opencomposer.train import pretrain
+
+    cfg = load_config(pretrain.PretrainConfig, ns.config, _overrides(ns, extra))
+    bar, update = _train_progress(sum(p.steps for p in cfg.phases), "pretrain")
+    with bar:
+        summary = pretrain.run(cfg, data_dir=_data_dir(), progress=update)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_sft(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.core.config import load_config
+    from opencomposer.train import sft
+
+    cfg = load_config(sft.SFTConfig, ns.config, _overrides(ns, extra))
+    bar, update = _train_progress(sum(p.steps for p in cfg.phases), "sft")
+    with bar:
+        summary = sft.run(cfg, data_dir=_data_dir(), progress=update)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval_base(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.core.config import load_config
+    from opencomposer.train import base_evals
+    from opencomposer.train.pretrain import load_base
+
+    cfg = load_config(base_evals.BaseEvalConfig, ns.config, _overrides(ns, extra))
+    model, tok, _ = load_base(ns.model, _data_dir())
+    result = base_evals.run(model.eval(), tok, cfg)
+    text = json.dumps(result, indent=2)
+    if ns.out:
+        Path(ns.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer import report
     from opencomposer.core.rundir import RunDir
@@ -458,6 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--judge", help="a model (URL or name) that also scores each diff on a rubric")
     er.add_argument("-c", "--config", help="TOML with EvalConfig fields")
     er.set_defaults(fn=cmd_eval_run)
+
+    eb = ev.add_parser("base", help="base-model evals: codebase perplexity and state tracking")
+    eb.add_argument("--model", default="default", help="a model folder or 'default'")
+    eb.add_argument("--out", help="write the JSON result here too")
+    eb.add_argument("-c", "--config", help="TOML with BaseEvalConfig fields (repo, window, stride, ...)")
+    eb.set_defaults(fn=cmd_eval_base)
+
+    pt = sub.add_parser("pretrain", help="continued pretraining on a code mix (phases, checkpoints, resume)")
+    pt.add_argument("-c", "--config", help="TOML recipe (PretrainConfig)")
+    pt.set_defaults(fn=cmd_pretrain)
+    st = sub.add_parser("sft", help="supervised fine-tuning on agent trajectories (assistant-only loss)")
+    st.add_argument("-c", "--config", help="TOML recipe (SFTConfig)")
+    st.set_defaults(fn=cmd_sft)
 
     mo = sub.add_parser("model", help="models").add_subparsers(dest="sub", required=True)
     mi = mo.add_parser("import-default", help="the embedded SmolLM2-135M-Instruct GGUF -> a Hugging Face model folder")

@@ -142,23 +142,33 @@ def similarity(predicted: str, truth: str) -> float:
     return difflib.SequenceMatcher(None, predicted, truth, autojunk=False).ratio() * (0.999)
 
 
-def state_tracking(model, tokenizer, cfg: BaseEvalConfig) -> dict:
-    from opencomposer.inference.engine import Engine, EngineConfig
-    from opencomposer.inference.sampling import SamplingParams
+@torch.no_grad()
+def greedy_until(model, prompt: list[int], max_new: int, stop_text: str, decode) -> str:
+    """Greedy decoding with the model's KV cache until `stop_text` appears (train is below the
+    inference layer, so this stays a few lines here rather than an engine dependency)."""
+    cache = model.new_cache(1, len(prompt) + max_new + 1)
+    logits = model.run(torch.tensor([prompt]), cache=cache, logits="last").logits
+    out: list[int] = []
+    for _ in range(max_new):
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        if len(out) % 8 == 0 and stop_text in decode(out):
+            break
+        logits = model.run(torch.tensor([[nxt]]), cache=cache, logits="last").logits
+    return decode(out).split(stop_text, 1)[0]
 
+
+def state_tracking(model, tokenizer, cfg: BaseEvalConfig) -> dict:
     _, files = repo_files(cfg.repo, cfg.include)
     cases = make_state_cases(files, cfg.state_cases, cfg.state_diffs, cfg.state_lines, cfg.seed)
-    prompts = [tokenizer.encode(state_prompt(c)) for c in cases]
-    need = max(len(p) + len(tokenizer.encode(c.final)) + 16 for p, c in zip(prompts, cases))
-    engine = Engine(model, config=EngineConfig(slots=len(cases), max_len=need), decode=tokenizer.decode)
-    seqs = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=len(tokenizer.encode(c.final)) + 16,
-                                            stop=("```",)))[0] for p, c in zip(prompts, cases)]
-    while engine.has_work():
-        engine.step()
+    was = model.training
+    model.eval()
     scores = []
-    for s, c in zip(seqs, cases):
-        text = tokenizer.decode(s.tokens).split("```", 1)[0]
+    for c in cases:
+        prompt = tokenizer.encode(state_prompt(c))
+        text = greedy_until(model, prompt, len(tokenizer.encode(c.final)) + 16, "```", tokenizer.decode)
         scores.append(similarity(text, c.final))
+    model.train(was)
     return {"cases": len(cases), "diffs_per_case": cfg.state_diffs, "mean_similarity": sum(scores) / len(scores),
             "exact": sum(x == 1.0 for x in scores), "scores": scores}
 

@@ -44,6 +44,8 @@ class PretrainConfig:
     phases: tuple[PhaseConfig, ...] = (PhaseConfig(),)
     optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
+    max_steps: int | None = None
+    """Stop (with a checkpoint) after this global step; running again continues from there."""
     eval_batches: int = 4
     """Held-out batches for the loss before/after each phase."""
     out_dir: Path = Path("runs")
@@ -101,10 +103,11 @@ def export(model, tok_folder: Path, out: Path) -> Path:
 
 def run(cfg: PretrainConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path("data"),
         progress=None) -> dict:
-    if run_dir is None:
-        run_dir = RunDir.open(cfg.run_dir) if cfg.run_dir and (Path(cfg.run_dir) / "config.json").exists() else \
-            RunDir.create(cfg.out_dir, cfg.name) if cfg.run_dir is None else RunDir.create(cfg.run_dir.parent,
-                                                                                             cfg.run_dir.name)
+    if run_dir is None and cfg.run_dir is not None:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        run_dir = RunDir.open(cfg.run_dir)  # re-running resumes from its checkpoints
+    elif run_dir is None:
+        run_dir = RunDir.create(cfg.out_dir, cfg.name)
     run_dir.write_config(cfg)
     torch.manual_seed(cfg.seed)
     model, tok, folder = load_base(cfg.model, data_dir)
@@ -144,7 +147,7 @@ def run(cfg: PretrainConfig, *, run_dir: RunDir | None = None, data_dir: Path = 
         ev = cfg.phases[0].seq_len
         before = heldout_loss(model, dataset, ev, cfg.eval_batches, cfg.optim.batch_size, cfg.seed)
         evals.append({"step": trainer.step, "heldout_loss": before})
-        history = trainer.run(batches, data_state, on_progress=progress)
+        history = trainer.run(batches, data_state, on_progress=progress, stop_at=cfg.max_steps)
         after = heldout_loss(model, dataset, ev, cfg.eval_batches, cfg.optim.batch_size, cfg.seed)
         evals.append({"step": trainer.step, "heldout_loss": after})
         metrics.log(step=trainer.step, heldout_loss_before=before, heldout_loss_after=after)

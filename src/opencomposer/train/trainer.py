@@ -65,6 +65,8 @@ class OptimConfig:
 
 def lr_at(step: int, phase: PhaseConfig) -> float:
     """Learning rate at `step` (0-based within the phase)."""
+    if phase.schedule not in ("cosine", "wsd", "constant"):
+        raise TrainError(f"unknown schedule {phase.schedule!r} (cosine, wsd, constant)")
     if phase.warmup and step < phase.warmup:
         return phase.lr * (step + 1) / phase.warmup
     lo = phase.lr * phase.min_lr_ratio
@@ -74,13 +76,11 @@ def lr_at(step: int, phase: PhaseConfig) -> float:
         span = max(1, phase.steps - phase.warmup)
         frac = min(1.0, (step - phase.warmup) / span)
         return lo + (phase.lr - lo) * 0.5 * (1 + math.cos(math.pi * frac))
-    if phase.schedule == "wsd":
-        decay = max(1, int(phase.steps * phase.decay_fraction))
-        start = phase.steps - decay
-        if step < start:
-            return phase.lr
-        return phase.lr + (lo - phase.lr) * (step - start + 1) / decay
-    raise TrainError(f"unknown schedule {phase.schedule!r} (cosine, wsd, constant)")
+    decay = max(1, int(phase.steps * phase.decay_fraction))  # wsd
+    start = phase.steps - decay
+    if step < start:
+        return phase.lr
+    return phase.lr + (lo - phase.lr) * (step - start + 1) / decay
 
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
@@ -108,7 +108,7 @@ def mtp_distill_loss(model, ids: torch.Tensor, segments: torch.Tensor | None, la
     valid = torch.zeros_like(kl, dtype=torch.bool)
     valid[:, :-1] = (labels[:, :-1] != IGNORE) & (labels[:, 1:] != IGNORE)
     kl_mean = (kl * valid).sum() / valid.sum().clamp(min=1)
-    return main + weight * kl_mean, float(kl_mean)
+    return main + weight * kl_mean, float(kl_mean.detach())
 
 
 Batch = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # ids, segments, labels (aligned to ids[:, 1:])
@@ -206,7 +206,7 @@ class Trainer:
                 self.metrics.log(**rec)
             if on_progress:
                 on_progress(self.step, rec)
-            if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps:
+            if self.step % cfg.ckpt_every == 0 or self.step == end:
                 self.save(data_state())
         return history
 

@@ -1,0 +1,169 @@
+"""Continued pretraining, SFT and base-model evals end to end on tiny real models with a tokenizer
+trained here: resume equality, a measured perplexity drop, assistant-only SFT loss, MTP
+self-distillation, schedules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opencomposer.core.metrics import read_jsonl  # noqa: E402
+from opencomposer.model.deepseek import DeepseekModel, preset  # noqa: E402
+from opencomposer.model.hf import save_model  # noqa: E402
+from opencomposer.model.llama import LlamaConfig, LlamaModel  # noqa: E402
+from opencomposer.train import base_evals, pretrain, sft  # noqa: E402
+from opencomposer.train.data import MixConfig, SourceConfig  # noqa: E402
+from opencomposer.train.trainer import OptimConfig, PhaseConfig, TrainError, lr_at  # noqa: E402
+
+MIX = MixConfig(sources=(SourceConfig(name="stdlib", path="stdlib", include=("json/*.py", "email/*.py", "csv.py"),
+                                      weight=1.0),), heldout_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    import inspect
+    import json as json_mod
+    import textwrap
+
+    from opencomposer.tokenizer.bpe import train_bpe
+
+    tok = train_bpe([inspect.getsource(json_mod), inspect.getsource(textwrap)] * 2, vocab_size=800)
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=160,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=1024))
+    folder = tmp_path_factory.mktemp("m") / "tiny"
+    save_model(model, folder)
+    tok.save(folder / "tokenizer.json")
+    return folder
+
+
+def test_schedules():
+    p = PhaseConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_at(0, p) == pytest.approx(0.1) and lr_at(9, p) == pytest.approx(1.0)
+    assert lr_at(99, p) == pytest.approx(0.1, abs=1e-3)
+    w = PhaseConfig(steps=100, warmup=0, lr=1.0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(50, w) == 1.0 and lr_at(79, w) == 1.0 and lr_at(99, w) == pytest.approx(0.0)
+    with pytest.raises(TrainError, match="unknown schedule"):
+        lr_at(0, PhaseConfig(schedule="linear"))
+
+
+def _cfg(folder, run_dir, steps=(4, 2), **kw):
+    phases = (PhaseConfig(name="bulk", steps=steps[0], seq_len=64, lr=3e-3, warmup=1),
+              PhaseConfig(name="long", steps=steps[1], seq_len=128, lr=1e-3, warmup=0, schedule="constant",
+                          rope_theta=40000.0))
+    return pretrain.PretrainConfig(model=str(folder), mix=MIX, phases=phases, run_dir=run_dir,
+                                   optim=OptimConfig(batch_size=2, ckpt_every=3, grad_accum=2), **kw)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_folder, tmp_path):
+    full = pretrain.run(_cfg(tiny_folder, tmp_path / "full"))
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl") if "loss" in r]
+    assert full["steps"] == 6 and len(losses) == 6
+    assert json.loads((tmp_path / "full" / "model" / "config.json").read_text())["rope_theta"] == 40000.0
+    # an interrupted run: the same recipe stopped at its step-3 checkpoint, then restarted
+    part = tmp_path / "part"
+    pretrain.run(_cfg(tiny_folder, part, max_steps=3))
+    cut = _cfg(tiny_folder, part)
+    pretrain.run(cut)  # resumes from step 3 in the same run folder
+    resumed = [r["loss"] for r in read_jsonl(part / "metrics.jsonl") if "loss" in r]
+    assert resumed[3:] == losses[3:]  # bit-identical, not approximately equal
+
+
+def test_short_cpt_lowers_heldout_codebase_perplexity(tiny_folder, tmp_path):
+    from opencomposer.model.hf import load_model
+    from opencomposer.tokenizer.bpe import Tokenizer
+
+    ev = base_evals.BaseEvalConfig(repo="stdlib:tomllib", window=128, stride=64, max_tokens=2048)
+    tok = Tokenizer.load(tiny_folder)
+    before = base_evals.codebase_perplexity(load_model(tiny_folder), tok, ev)["perplexity"]
+    cfg = pretrain.PretrainConfig(model=str(tiny_folder), mix=MIX, run_dir=tmp_path / "cpt",
+                                  phases=(PhaseConfig(steps=40, seq_len=128, lr=3e-3, warmup=4),),
+                                  optim=OptimConfig(batch_size=4, ckpt_every=100))
+    summary = pretrain.run(cfg)
+    after = base_evals.codebase_perplexity(load_model(summary["model"]), tok, ev)["perplexity"]
+    assert after < 0.5 * before, (before, after)
+    assert summary["heldout"][1]["heldout_loss"] < summary["heldout"][0]["heldout_loss"]
+
+
+def test_rolling_window_scores_every_token_once(tiny_folder):
+    from opencomposer.model.hf import load_model
+    from opencomposer.model.loss import token_logprobs
+
+    model = load_model(tiny_folder).eval()
+    ids = torch.randint(0, 700, (300,)).tolist()
+    nll, n = base_evals.rolling_nll(model, ids, window=1024, stride=512)
+    with torch.no_grad():
+        h = model.run(torch.tensor([ids]), logits=False).hidden
+        ref = -float(token_logprobs(h[:, :-1], model.lm_head.weight, torch.tensor([ids[1:]])).sum())
+    assert n == 299 and abs(nll - ref) < 1e-2
+    _, n2 = base_evals.rolling_nll(model, ids, window=100, stride=40)
+    assert n2 == 299
+
+
+def test_state_tracking_scores_perfect_and_broken_reconstructions(tiny_folder):
+    _, files = base_evals.repo_files("stdlib:json", ("*.py",))
+    (case,) = base_evals.make_state_cases(files, 1, 3, 20, seed=1)
+    assert len(case.diffs) == 3 and case.final != case.original
+    assert base_evals.similarity(case.final, case.final) == 1.0
+    broken = case.final.replace("\n", "\n#", 2)
+    assert 0.5 < base_evals.similarity(broken, case.final) < 1.0
+    assert base_evals.similarity(case.original, case.final) < 1.0
+    from opencomposer.model.hf import load_model
+    from opencomposer.tokenizer.bpe import Tokenizer
+
+    res = base_evals.state_tracking(load_model(tiny_folder), Tokenizer.load(tiny_folder),
+                                    base_evals.BaseEvalConfig(repo="stdlib:json", state_cases=2, state_lines=12))
+    assert res["cases"] == 2 and 0.0 <= res["mean_similarity"] < 1.0  # a random tiny model is not exact
+
+
+def test_sft_trains_only_assistant_tokens(tiny_folder, tmp_path):
+    from opencomposer.model.loss import IGNORE
+    from opencomposer.tokenizer.bpe import Tokenizer
+    from opencomposer.tokenizer.chat import ChatRenderer
+
+    renderer = ChatRenderer(Tokenizer.load(tiny_folder))
+    msgs = [{"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "Reading.", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\": \"a\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x = 1"},
+            {"role": "assistant", "content": "Done."}]
+    ex = sft.encode(renderer, msgs, [], 4096)
+    seq = renderer.encode(msgs)
+    assert [t for t, m in zip(seq.ids, seq.loss_mask) if m] == [x for x in ex.labels if x != IGNORE]
+    assert sum(x != IGNORE for x in ex.labels) < len(ex.ids) / 2
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": msgs}) for _ in range(6)))
+    summary = sft.run(sft.SFTConfig(model=str(tiny_folder), data=(str(data), "tests/data/golden_trajectory.json"),
+                                    phases=(PhaseConfig(name="sft", steps=12, seq_len=512, lr=3e-3, warmup=1),),
+                                    optim=OptimConfig(batch_size=2, ckpt_every=100), out_dir=tmp_path))
+    assert summary["examples"] >= 6 and summary["loss_after"] < summary["loss_before"]
+    with pytest.raises(TrainError, match="does not exist"):
+        sft.conversations(("nope.jsonl",), [])
+
+
+def test_mtp_self_distillation_pulls_the_mtp_head_to_the_main_head(tmp_path):
+    from opencomposer.tokenizer.bpe import train_bpe
+    from opencomposer.train.trainer import Trainer, mtp_distill_loss
+
+    tok = train_bpe(["def f(x):\n    return x\n" * 50], vocab_size=300)
+    ids = torch.randint(0, tok.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    labels = ids[:, 1:]
+    kls = {}
+    for weight in (1.0, 0.0):  # with and without distillation; the main head learns the same data
+        torch.manual_seed(0)
+        model = DeepseekModel(preset("tiny-moe", vocab_size=tok.vocab_size))
+        phase = PhaseConfig(steps=15, seq_len=32, lr=1e-2, warmup=0, schedule="constant", mtp_weight=weight)
+        hist = Trainer(model, OptimConfig(ckpt_every=1000), (phase,), tmp_path / str(weight)).run(
+            lambda pi, ph: (ids, None, labels), lambda: {})
+        assert ("mtp_kl" in hist[-1]) == (weight > 0)  # the control (0) trains the main head only
+        with torch.no_grad():
+            kls[weight] = mtp_distill_loss(model, ids, None, labels, 1.0)[1]
+    assert kls[1.0] < 0.5 * kls[0.0], kls
+    with pytest.raises(TrainError, match="MTP heads"):
+        Trainer(LlamaModel(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1)), OptimConfig(),
+                (PhaseConfig(mtp_weight=1.0),), tmp_path / "x")
