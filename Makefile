@@ -32,6 +32,7 @@ bench: setup
 	$(PY) benchmarks/evals.py
 	$(PY) benchmarks/model.py
 	$(PY) benchmarks/inference.py
+	$(PY) benchmarks/train.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -90,8 +90,28 @@ def inference_section(s: dict) -> list[str]:
             f"First sample for _{s['prompt']}_:", "", "````", (s["answer"] or "").strip(), "````", ""]
 
 
+def cpt_section(s: dict) -> list[str]:
+    b, a = s["base_evals_before"], s["base_evals_after"]
+    h0, h1 = s["heldout"][0]["heldout_loss"], s["heldout"][-1]["heldout_loss"]
+    return ["## Continued pretraining", "",
+            f"{s['steps']} steps on a standard-library code mix ({s['tokens']} trained tokens, "
+            f"{s['tokens_per_second'] or 0:.0f} tokens/s). Base-model evals on the held-out repository "
+            f"`{b['codebase_perplexity']['repo']}`:", "",
+            "| | codebase perplexity | state tracking (similarity) | mix held-out loss |", "|---|---|---|---|",
+            f"| before | {b['codebase_perplexity']['perplexity']:.3f} | "
+            f"{b['state_tracking']['mean_similarity']:.3f} | {h0 if h0 is None else f'{h0:.4f}'} |",
+            f"| after | {a['codebase_perplexity']['perplexity']:.3f} | "
+            f"{a['state_tracking']['mean_similarity']:.3f} | {h1 if h1 is None else f'{h1:.4f}'} |", ""]
+
+
+def sft_section(s: dict) -> list[str]:
+    return ["## SFT", "",
+            f"{s['examples']} conversations from this run's agent trajectories ({s['assistant_tokens']} assistant "
+            f"tokens carry the loss), {s['steps']} steps: loss {s['loss_before']:.4f} -> {s['loss_after']:.4f}.", ""]
+
+
 SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section,
-            "inference": inference_section}
+            "inference": inference_section, "cpt": cpt_section, "sft": sft_section}
 
 
 def render(run_dir: RunDir) -> str:

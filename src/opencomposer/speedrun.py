@@ -6,7 +6,8 @@ sandbox); evals (a benchmark built from real code, every task gated, the runner 
 oracle = 100% and noop = 0%); model (the embedded SmolLM2 imported from GGUF and run by our own
 Llama code, tokenizer and chat renderer); inference (that model served by our engine behind the
 OpenAI-compatible server: latency, batched sampling, train/serve numerics, an in-flight weight
-swap). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
+swap); cpt (continued pretraining on a code mix with codebase perplexity and state tracking before
+and after); sft (the run's own agent trajectories, assistant-only loss). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
 into its own folder of the run so that `report.py` can read the run folder alone.
 """
 
@@ -24,6 +25,7 @@ from opencomposer.harness import stage as harness_stage
 from opencomposer.inference import stage as inference_stage
 from opencomposer.model import stage as model_stage
 from opencomposer.sandbox import stage as sandbox_stage
+from opencomposer.train import stage as train_stage
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,13 @@ class SpeedrunConfig:
     evals: evals_stage.EvalsStageConfig = field(default_factory=evals_stage.EvalsStageConfig)
     model: model_stage.ModelStageConfig = field(default_factory=model_stage.ModelStageConfig)
     inference: inference_stage.InferenceStageConfig = field(default_factory=inference_stage.InferenceStageConfig)
+    cpt: train_stage.CPTStageConfig = field(default_factory=train_stage.CPTStageConfig)
+    sft: train_stage.SFTStageConfig = field(default_factory=train_stage.SFTStageConfig)
+
+
+def base_model(cfg: SpeedrunConfig, run_dir: RunDir) -> Path:
+    """The embedded default as imported by the model stage (imported on demand when it was skipped)."""
+    return cfg.model.folder or run_dir.root / "model" / "smollm2-135m-instruct"
 
 
 def run(cfg: SpeedrunConfig) -> RunDir:
@@ -53,7 +62,8 @@ def run(cfg: SpeedrunConfig) -> RunDir:
     metrics = MetricsWriter(run_dir.metrics)
     log.info("speedrun -> %s", run_dir.root)
     stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled), ("evals", cfg.evals.enabled),
-              ("model", cfg.model.enabled), ("inference", cfg.inference.enabled)]
+              ("model", cfg.model.enabled), ("inference", cfg.inference.enabled), ("cpt", cfg.cpt.enabled),
+              ("sft", cfg.sft.enabled)]
     with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         for name, enabled in stages:
             if not enabled:
@@ -81,6 +91,16 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                     task = bar.add_task("inference: serve it, sample, check numerics, swap weights", total=None)
                     inference_stage.run(cfg.inference, run_dir, metrics)
                     bar.update(task, total=1, completed=1)
+                elif name == "cpt":
+                    task = bar.add_task("cpt: code mix, base evals before/after", total=cfg.cpt.steps)
+                    train_stage.run_cpt(cfg.cpt, run_dir, metrics, base_model(cfg, run_dir),
+                                        progress=lambda step, rec: bar.update(task, completed=step))
+                elif name == "sft":
+                    task = bar.add_task("sft: the run's agent trajectories", total=cfg.sft.steps)
+                    sft_base = run_dir.root / "cpt" / "model"
+                    train_stage.run_sft(cfg.sft, run_dir, metrics,
+                                        sft_base if sft_base.exists() else base_model(cfg, run_dir),
+                                        progress=lambda step, rec: bar.update(task, completed=step))
             except Exception as e:
                 events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")
                 log.exception("stage %s failed", name)

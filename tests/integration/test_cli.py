@@ -46,7 +46,8 @@ def test_doctor_json():
 
 def test_speedrun_small(tmp_path):
     r = cli("speedrun", f"--out_dir={tmp_path}", "--sandbox.latency_samples=3", "--evals.passes=1",
-            "--evals.benchmark.sources=[\"colorsys\"]", "--inference.samples=4", "--inference.max_tokens=12")
+            "--evals.benchmark.sources=[\"colorsys\"]", "--inference.samples=4", "--inference.max_tokens=12",
+            "--cpt.steps=2", "--cpt.state_cases=1", "--cpt.eval_tokens=512", "--sft.steps=1", "--sft.seq_len=2048")
     assert r.returncode == 0, r.stderr[-3000:]
     (run,) = list(tmp_path.iterdir())
     summary = json.loads((run / "sandbox" / "summary.json").read_text())
@@ -63,7 +64,8 @@ def test_speedrun_small(tmp_path):
                       ("stage_start", "harness"), ("stage_end", "harness"),
                       ("stage_start", "evals"), ("stage_end", "evals"),
                       ("stage_start", "model"), ("stage_end", "model"),
-                      ("stage_start", "inference"), ("stage_end", "inference")]
+                      ("stage_start", "inference"), ("stage_end", "inference"),
+                      ("stage_start", "cpt"), ("stage_end", "cpt"), ("stage_start", "sft"), ("stage_end", "sft")]
     model = json.loads((run / "model" / "summary.json").read_text())
     assert model["writes_code"] and model["parameters"] > 100e6 and "## Model" in report
     evals = json.loads((run / "evals" / "summary.json").read_text())
@@ -71,3 +73,8 @@ def test_speedrun_small(tmp_path):
     inference = json.loads((run / "inference" / "summary.json").read_text())
     assert inference["max_logprob_drift"] < 1e-3 and inference["version_switch_ok"] and "## Inference" in report
     assert inference["completion_tokens"] > 0 and inference["ttft_ms"] > 0
+    cpt = json.loads((run / "cpt" / "summary.json").read_text())
+    assert cpt["steps"] == 2 and cpt["perplexity_before"] > 1 and cpt["perplexity_after"] > 1
+    assert (run / "cpt" / "model" / "tokenizer.json").exists() and "## Continued pretraining" in report
+    sft = json.loads((run / "sft" / "summary.json").read_text())
+    assert sft["examples"] >= 2 and sft["assistant_tokens"] > 0 and "## SFT" in report

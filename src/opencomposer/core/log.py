@@ -23,6 +23,9 @@ def setup_logging(level: str = "INFO", file: str | Path | None = None) -> None:
     handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=True, markup=False)
     handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
     root.addHandler(handler)
+    # one line per HTTP request from the openai client's transport is noise at INFO
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     if file is not None:
         _add_file(root, Path(file))
     _configured = True

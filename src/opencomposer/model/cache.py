@@ -123,8 +123,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def segment_positions_and_mask(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
     """Packed training sequences: segment ids (B, T) -> positions restarting at every document and
-    a (B, 1, T, T) mask that is causal within a document and closed across documents."""
+    a (B, 1, T, T) mask that is causal within a document and closed across documents. (An explicit
+    mask takes SDPA's math path on CPU: memory grows with T^2 per head and layer, fine at the
+    speedrun's lengths; a varlen attention kernel is the GPU answer.)"""
     b, t = segments.shape
+    if not bool((segments[:, 1:] != segments[:, :-1]).any()):  # one document per row: plain causal
+        return torch.arange(t)[None].expand(b, t), None, None
     same = segments[:, :, None] == segments[:, None, :]
     mask = (same & torch.ones(t, t, dtype=torch.bool).tril())[:, None]
     ar = torch.arange(t)[None].expand(b, t)

@@ -27,7 +27,7 @@ from opencomposer.train.trainer import OptimConfig, PhaseConfig, Trainer, TrainE
 class SFTConfig:
     model: str = "default"
     data: tuple[str, ...] = ()
-    """Trajectory files, folders of them (searched for trajectory*.json), or .jsonl files."""
+    """Trajectory files, folders of them (every *.json that is a trajectory), or .jsonl files."""
     phases: tuple[PhaseConfig, ...] = (PhaseConfig(name="sft", steps=50, seq_len=1024, lr=2e-5, warmup=5),)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(batch_size=2))
     heldout_fraction: float = 0.1
@@ -47,16 +47,16 @@ def conversations(paths: tuple[str, ...], default_tools: list[dict]) -> list[tup
     """(messages, tools) pairs from trajectories and JSONL files."""
     from opencomposer.harness.trajectory import Trajectory
 
-    found: list[Path] = []
+    found: list[tuple[Path, bool]] = []  # (file, named explicitly)
     for p in map(Path, paths):
         if p.is_dir():
-            found += sorted(p.rglob("trajectory*.json")) + sorted(p.rglob("*.jsonl"))
+            found += [(f, False) for f in sorted(p.rglob("*.json")) + sorted(p.rglob("*.jsonl"))]
         elif p.exists():
-            found.append(p)
+            found.append((p, True))
         else:
             raise TrainError(f"SFT data {p} does not exist")
     convs = []
-    for f in found:
+    for f, explicit in found:
         if f.suffix == ".jsonl":
             for i, line in enumerate(f.read_text().splitlines()):
                 if not line.strip():
@@ -65,14 +65,16 @@ def conversations(paths: tuple[str, ...], default_tools: list[dict]) -> list[tup
                     rec = json.loads(line)
                     convs.append((rec["messages"], rec.get("tools") or []))
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    if not explicit:
+                        break  # some other JSONL found while scanning a folder (results, metrics)
                     raise TrainError(f"{f}:{i + 1}: not a {{'messages': [...]}} record ({e})") from None
-        elif f.name.endswith(".atif.json"):
-            continue
-        else:
+        elif not f.name.endswith(".atif.json"):
             try:
                 traj = Trajectory.load(f)
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise TrainError(f"{f}: not a trajectory ({e})") from None
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                if explicit:
+                    raise TrainError(f"{f}: not a trajectory ({e})") from None
+                continue  # other JSON found while scanning a folder (summaries, manifests)
             for seg in traj.segments:
                 if any(m.get("role") == "assistant" for m in seg.messages):
                     convs.append((seg.messages, traj.extra.get("tools") or default_tools))
@@ -88,17 +90,16 @@ def encode(renderer, messages: list[dict], tools: list[dict], max_len: int) -> E
     return Example(ids, labels)
 
 
-def collate(batch: list[Example], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest; padding is its own segment and never a target."""
+def collate(batch: list[Example], pad: int) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """Right-pad to the longest; padding is never a target. Padding sits after every real token, so
+    the plain causal mask is exact for the real tokens (no segment mask: the fast attention path)."""
     n = max(len(e.ids) for e in batch)
     ids = torch.full((len(batch), n), pad, dtype=torch.long)
     lab = torch.full((len(batch), n), IGNORE, dtype=torch.long)
-    seg = torch.ones((len(batch), n), dtype=torch.long)
     for i, e in enumerate(batch):
         ids[i, : len(e.ids)] = torch.tensor(e.ids)
         lab[i, : len(e.labels)] = torch.tensor(e.labels)
-        seg[i, : len(e.ids)] = 0
-    return ids, seg, lab[:, 1:]
+    return ids, None, lab[:, 1:]
 
 
 def default_tool_schemas() -> list[dict]:

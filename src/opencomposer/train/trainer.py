@@ -61,6 +61,8 @@ class OptimConfig:
     bf16: bool = False
     ckpt_every: int = 50
     keep_checkpoints: int = 2
+    checkpoint_at_end: bool = True
+    """Also checkpoint at the last step (a short run that only exports its model can skip it)."""
 
 
 def lr_at(step: int, phase: PhaseConfig) -> float:
@@ -206,7 +208,7 @@ class Trainer:
                 self.metrics.log(**rec)
             if on_progress:
                 on_progress(self.step, rec)
-            if self.step % cfg.ckpt_every == 0 or self.step == end:
+            if self.step % cfg.ckpt_every == 0 or (self.step == end and cfg.checkpoint_at_end):
                 self.save(data_state())
         return history
 

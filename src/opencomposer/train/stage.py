@@ -1,0 +1,95 @@
+"""The speedrun's CPT and SFT stages on the embedded default (SmolLM2-135M), sized for minutes.
+
+CPT: a small mix of standard-library code (the base-model evals' repository, `tomllib`, is not in
+it), a few optimizer steps, and the base-model evals — codebase perplexity on the held-out
+repository and state tracking — before and after. SFT: the trajectories the harness and eval
+stages just produced (oracle runs on real tasks: tool calls included), rendered by the one chat
+renderer with the loss on assistant tokens only, starting from the CPT model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from opencomposer.core.metrics import MetricsWriter
+from opencomposer.core.rundir import RunDir
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CPTStageConfig:
+    enabled: bool = True
+    include: tuple[str, ...] = ("json/*.py", "email/*.py", "http/*.py", "csv.py", "textwrap.py", "shlex.py",
+                                "graphlib.py", "colorsys.py", "difflib.py", "string.py")
+    max_docs: int = 40
+    steps: int = 6
+    seq_len: int = 256
+    batch_size: int = 2
+    lr: float = 2e-5
+    eval_repo: str = "stdlib:tomllib"
+    eval_tokens: int = 1024
+    state_cases: int = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SFTStageConfig:
+    enabled: bool = True
+    steps: int = 2
+    seq_len: int = 2304
+    """The harness's system prompt with its tool schemas is ~1,900 tokens before the first reply;
+    a step at this length is ~2.5 TFLOP for SmolLM2 (about 25 s on two cores)."""
+    batch_size: int = 1
+    lr: float = 1e-5
+
+
+def _base_evals(folder: Path, cfg: CPTStageConfig) -> dict:
+    from opencomposer.model.hf import load_model
+    from opencomposer.tokenizer.bpe import Tokenizer
+    from opencomposer.train import base_evals
+
+    ev = base_evals.BaseEvalConfig(repo=cfg.eval_repo, window=256, stride=128, max_tokens=cfg.eval_tokens,
+                                   state_cases=cfg.state_cases, state_diffs=2, state_lines=10)
+    model, tok = load_model(folder).eval(), Tokenizer.load(folder)
+    return base_evals.run(model, tok, ev)
+
+
+def run_cpt(cfg: CPTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: Path, progress=None) -> dict:
+    from opencomposer.train import pretrain
+    from opencomposer.train.data import MixConfig, SourceConfig
+    from opencomposer.train.trainer import OptimConfig, PhaseConfig
+
+    if not (base / "config.json").exists():
+        from opencomposer.model.interop import import_default
+
+        import_default(base)
+    before = _base_evals(base, cfg)
+    mix = MixConfig(sources=(SourceConfig(name="stdlib", path="stdlib", include=cfg.include, max_docs=cfg.max_docs,
+                                          weight=1.0),), heldout_fraction=0.1)
+    pcfg = pretrain.PretrainConfig(
+        model=str(base), mix=mix, run_dir=run_dir.stage("cpt"),
+        phases=(PhaseConfig(name="bulk", steps=cfg.steps, seq_len=cfg.seq_len, lr=cfg.lr, warmup=1, schedule="wsd"),),
+        optim=OptimConfig(batch_size=cfg.batch_size, ckpt_every=10**6, checkpoint_at_end=False), eval_batches=2)
+    summary = pretrain.run(pcfg, progress=progress)
+    after = _base_evals(Path(summary["model"]), cfg)
+    out = {**summary, "base_evals_before": before, "base_evals_after": after,
+           "perplexity_before": before["codebase_perplexity"]["perplexity"],
+           "perplexity_after": after["codebase_perplexity"]["perplexity"]}
+    run_dir.write_json("cpt/summary.json", out)
+    metrics.log(stage="cpt", perplexity_before=out["perplexity_before"], perplexity_after=out["perplexity_after"])
+    return out
+
+
+def run_sft(cfg: SFTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: Path, progress=None) -> dict:
+    from opencomposer.train import sft
+    from opencomposer.train.trainer import OptimConfig, PhaseConfig
+
+    data = [str(p) for p in (run_dir.root / "harness" / "trajectory.json", run_dir.root / "evals" / "oracle")
+            if p.exists()]
+    scfg = sft.SFTConfig(model=str(base), data=tuple(data),
+                         phases=(PhaseConfig(name="sft", steps=cfg.steps, seq_len=cfg.seq_len, lr=cfg.lr, warmup=1,
+                                             schedule="constant"),),
+                         optim=OptimConfig(batch_size=cfg.batch_size, ckpt_every=10**6, checkpoint_at_end=False))
+    summary = sft.run(scfg, run_dir=RunDir.open(run_dir.stage("sft")), progress=progress)
+    run_dir.write_json("sft/summary.json", summary)
+    metrics.log(stage="sft", loss_before=summary["loss_before"], loss_after=summary["loss_after"])
+    return summary
