@@ -334,8 +334,10 @@ class DeepseekModel(nn.Module):
             return self.lm_head(h[:, -1:])
         return self.lm_head(h) if which else None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run(input_ids).logits
+    def forward(self, input_ids: torch.Tensor, **options):
+        """Logits; with any `run` option, the full ForwardOut. Training calls the model (not
+        `run`) so that module hooks — FSDP2's all-gathers — fire."""
+        return self.run(input_ids, **options) if options else self.run(input_ids).logits
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -116,5 +116,5 @@ def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None =
     targets = (input_ids if labels is None else labels)[:, 1:]
     if segments is not None:
         targets = targets.masked_fill(segments[:, 1:] != segments[:, :-1], IGNORE)
-    h = model.run(input_ids, logits=False, segments=segments).hidden
+    h = model(input_ids, logits=False, segments=segments).hidden  # via __call__: module hooks fire
     return cross_entropy(h[:, :-1], model.lm_head.weight, targets)

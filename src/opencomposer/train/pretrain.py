@@ -83,7 +83,7 @@ def heldout_loss(model, dataset: Path, seq_len: int, batches: int, batch_size: i
     was = model.training
     model.eval()
     losses = []
-    for _ in range(batches):
+    for _ in range(batches):  # every rank runs the same batches (FSDP forwards are collective)
         ids, seg = sampler.batch(batch_size)
         losses.append(float(causal_lm_loss(model, ids, segments=seg)))
     model.train(was)
@@ -91,9 +91,19 @@ def heldout_loss(model, dataset: Path, seq_len: int, batches: int, batch_size: i
 
 
 def export(model, tok_folder: Path, out: Path) -> Path:
-    """The trained model as a servable folder (weights, config, tokenizer, chat template)."""
+    """The trained model as a servable folder (weights, config, tokenizer, chat template). Under
+    FSDP every rank takes part in gathering the weights and rank 0 writes them."""
     from opencomposer.model.hf import save_model
+    from opencomposer.train import distributed
 
+    if distributed.setup()[1] > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not distributed.is_main():
+            return out
+        model = type(model)(model.config)
+        model.load_state_dict(full)
     save_model(model, out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (tok_folder / name).exists():
@@ -103,20 +113,29 @@ def export(model, tok_folder: Path, out: Path) -> Path:
 
 def run(cfg: PretrainConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path("data"),
         progress=None) -> dict:
+    from opencomposer.train import distributed
+
+    _, world = distributed.setup()
+    if world > 1 and run_dir is None and cfg.run_dir is None:
+        raise TrainError("a distributed run needs --run_dir (every rank must use the same folder)")
     if run_dir is None and cfg.run_dir is not None:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         run_dir = RunDir.open(cfg.run_dir)  # re-running resumes from its checkpoints
     elif run_dir is None:
         run_dir = RunDir.create(cfg.out_dir, cfg.name)
-    run_dir.write_config(cfg)
+    main = distributed.is_main()
+    if main:
+        run_dir.write_config(cfg)
     torch.manual_seed(cfg.seed)
     model, tok, folder = load_base(cfg.model, data_dir)
     dataset = cfg.dataset
     if dataset is None:
         dataset = run_dir.root / "data"
-        if not (dataset / "mix.json").exists():
+        if main and not (dataset / "mix.json").exists():
             build(cfg.mix, tok, dataset)
-    with MetricsWriter(run_dir.metrics) as metrics:
+        distributed.barrier()
+    with MetricsWriter(run_dir.metrics if main else run_dir.root / f"metrics.rank{distributed.setup()[0]}.jsonl") \
+            as metrics:
         trainer = Trainer(model, cfg.optim, cfg.phases, run_dir.root / "checkpoints", metrics,
                           tokenizer_json=folder / "tokenizer.json")
         position = trainer.resume()
@@ -152,9 +171,11 @@ def run(cfg: PretrainConfig, *, run_dir: RunDir | None = None, data_dir: Path = 
         evals.append({"step": trainer.step, "heldout_loss": after})
         metrics.log(step=trainer.step, heldout_loss_before=before, heldout_loss_after=after)
     out = export(model, folder, run_dir.root / "model")
+    distributed.barrier()
     summary = {"base": str(folder), "model": str(out), "steps": trainer.step, "dataset": str(dataset),
                "heldout": evals, "final_loss": history[-1]["loss"] if history else None,
                "tokens": sum(h["tokens"] for h in history),
                "tokens_per_second": (sum(h["tokens_per_second"] for h in history) / len(history)) if history else None}
-    run_dir.write_json("summary.json", summary)
+    if main:
+        run_dir.write_json("summary.json", summary)
     return summary

@@ -99,7 +99,7 @@ def mtp_distill_loss(model, ids: torch.Tensor, segments: torch.Tensor | None, la
     """Main-head cross-entropy plus `weight` x KL(main || MTP-1): the MTP head at position i
     learns the main head's full distribution at position i+1 (both predict token i+2), the
     self-distillation of report §3.1. Returns (loss, kl)."""
-    out = model.run(ids, segments=segments, mtp=True)
+    out = model(ids, segments=segments, mtp=True)
     logits = out.logits[:, :-1]
     main = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                              ignore_index=IGNORE)
@@ -111,6 +111,12 @@ def mtp_distill_loss(model, ids: torch.Tensor, segments: torch.Tensor | None, la
     valid[:, :-1] = (labels[:, :-1] != IGNORE) & (labels[:, 1:] != IGNORE)
     kl_mean = (kl * valid).sum() / valid.sum().clamp(min=1)
     return main + weight * kl_mean, float(kl_mean.detach())
+
+
+def distributed_sum(x: float) -> float:
+    from opencomposer.train.distributed import all_sum
+
+    return all_sum(x)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # ids, segments, labels (aligned to ids[:, 1:])
@@ -127,8 +133,14 @@ class Trainer:
             lr_at(0, p)  # validates the schedule name
             if p.mtp_weight and not len(getattr(model, "mtp", ())):
                 raise TrainError(f"phase {p.name!r}: mtp_weight needs a model with MTP heads")
+        from opencomposer.train import distributed
+
+        self.rank, self.world = distributed.setup()
+        if self.world > 1:
+            distributed.shard(model)
         self.model, self.optim_cfg, self.phases = model, optim, phases
-        self.ckpt_dir, self.metrics, self.tokenizer_json = Path(ckpt_dir), metrics, tokenizer_json
+        self.ckpt_dir, self.tokenizer_json = Path(ckpt_dir), tokenizer_json
+        self.metrics = metrics if self.rank == 0 else None
         self.opt = make_optimizer(model, optim, phases[0].lr)
         self.step = 0
         self.base_rope = getattr(model.config, "rope_theta", None)
@@ -150,7 +162,12 @@ class Trainer:
         path = ckpt.latest(self.ckpt_dir)
         if path is None:
             return {}
-        state = ckpt.load(path, self.model, self.opt, tokenizer_json=self.tokenizer_json)
+        if self.world > 1:
+            from opencomposer.train import distributed
+
+            state = distributed.load(self, path)
+        else:
+            state = ckpt.load(path, self.model, self.opt, tokenizer_json=self.tokenizer_json)
         self.step = state.step
         log.info("resumed from %s (step %d)", path, self.step)
         return state.data_position
@@ -182,18 +199,26 @@ class Trainer:
             total, tokens, kl = 0.0, 0, None
             for _ in range(cfg.grad_accum):
                 ids, seg, labels = batches(pi, phase)
+                count = int((labels != IGNORE).sum())  # labelled tokens of the global batch
+                if self.world > 1:  # this rank's rows; the loss scaled to the global mean's gradient
+                    ids, labels = ids[self.rank::self.world], labels[self.rank::self.world]
+                    seg = None if seg is None else seg[self.rank::self.world]
+                local = int((labels != IGNORE).sum())
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
                     if phase.mtp_weight:
                         loss, kl = mtp_distill_loss(model, ids, seg, labels, phase.mtp_weight)
                     else:
-                        h = model.run(ids, logits=False, segments=seg).hidden
+                        h = model(ids, logits=False, segments=seg).hidden
                         loss = cross_entropy(h[:, :-1], model.lm_head.weight, labels)
                 if not torch.isfinite(loss):
                     raise TrainError(f"step {self.step}: loss is {loss.item()} — stopping before it reaches the "
                                      "weights (the last checkpoint is intact)")
-                (loss / cfg.grad_accum).backward()
-                total += loss.item() / cfg.grad_accum
-                tokens += int((labels != IGNORE).sum())
+                share = local / max(count, 1)  # this rank's part of the global mean
+                (loss * share * self.world / cfg.grad_accum).backward()
+                total += loss.item() * share / cfg.grad_accum
+                tokens += count
+            if self.world > 1:
+                total = distributed_sum(total)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip) if cfg.clip else torch.tensor(0.0)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -212,10 +237,17 @@ class Trainer:
                 self.save(data_state())
         return history
 
-    def save(self, data_position: dict) -> Path:
-        path = ckpt.save(self.ckpt_dir, self.model, self.opt, ckpt.TrainState(step=self.step,
+    def save(self, data_position: dict) -> Path | None:
+        if self.world > 1:
+            from opencomposer.train import distributed
+
+            path = distributed.save(self, data_position)
+            if self.rank != 0:
+                return path
+        else:
+            path = ckpt.save(self.ckpt_dir, self.model, self.opt, ckpt.TrainState(step=self.step,
                                                                               data_position=data_position),
-                         tokenizer_json=self.tokenizer_json)
+                             tokenizer_json=self.tokenizer_json)
         old = sorted(self.ckpt_dir.glob("step_*"))[: -self.optim_cfg.keep_checkpoints]
         for p in old:
             import shutil
