@@ -409,6 +409,16 @@ def cmd_sft(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_study_cpt_vs_rl(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.core.config import load_config
+    from opencomposer.train import study
+
+    cfg = load_config(study.StudyConfig, ns.config, _overrides(ns, extra))
+    result = study.run(cfg, data_dir=_data_dir())
+    print(Path(result["folder"], "study.md").read_text())
+    return 0
+
+
 def cmd_eval_base(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer.core.config import load_config
     from opencomposer.train import base_evals
@@ -522,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("sft", help="supervised fine-tuning on agent trajectories (assistant-only loss)")
     st.add_argument("-c", "--config", help="TOML recipe (SFTConfig)")
     st.set_defaults(fn=cmd_sft)
+
+    sy = sub.add_parser("study", help="studies").add_subparsers(dest="sub", required=True)
+    sc = sy.add_parser("cpt-vs-rl", help="CPT at log-spaced budgets, identical SFT (and RL, when it exists)")
+    sc.add_argument("-c", "--config", help="TOML (StudyConfig: pretrain, sft, levels)")
+    sc.set_defaults(fn=cmd_study_cpt_vs_rl)
 
     mo = sub.add_parser("model", help="models").add_subparsers(dest="sub", required=True)
     mi = mo.add_parser("import-default", help="the embedded SmolLM2-135M-Instruct GGUF -> a Hugging Face model folder")

@@ -229,3 +229,28 @@ rope_theta = 40000.0
         b = load_model(tmp_path / "one" / "model")(ids)
     assert (a - b).abs().max() < 1e-3
     assert (tmp_path / "two" / "checkpoints").is_dir() and one["steps"] == 6
+
+
+def test_cpt_vs_rl_study_first_part(tiny_folder, tmp_path):
+    from opencomposer.train import study
+
+    data = tmp_path / "sft.jsonl"
+    msgs = [{"role": "user", "content": "add two numbers"}, {"role": "assistant", "content": "def add(a, b):\n"
+                                                                                          "    return a + b\n"}]
+    data.write_text("\n".join(json.dumps({"messages": msgs}) for _ in range(4)))
+    cfg = study.StudyConfig(
+        pretrain=pretrain.PretrainConfig(model=str(tiny_folder), mix=MIX, eval_batches=2,
+                                         phases=(PhaseConfig(steps=1, seq_len=64, lr=3e-3, warmup=1),),
+                                         optim=OptimConfig(batch_size=2, ckpt_every=1000)),
+        sft=sft.SFTConfig(data=(str(data),), phases=(PhaseConfig(name="sft", steps=2, seq_len=256, lr=1e-3,
+                                                                 warmup=0),),
+                          optim=OptimConfig(batch_size=2, ckpt_every=1000)),
+        levels=(2, 8), out_dir=tmp_path)
+    res = study.run(cfg)
+    rows = res["rows"]
+    assert [r["cpt_steps"] for r in rows] == [2, 8] and rows[1]["cpt_flops"] == 4 * rows[0]["cpt_flops"]
+    assert rows[1]["cpt_heldout_loss"] < rows[0]["cpt_heldout_loss"]  # more CPT, lower loss: measured
+    assert all(r["sft_loss"] > 0 and r["rl_reward"] is None for r in rows)
+    from pathlib import Path
+
+    assert Path(res["folder"], "study.svg").read_text().count("<circle") == 2
