@@ -78,9 +78,17 @@ def torch_experts(x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor,
     return _ContiguousGrad.apply(grouped_mm(F.silu(g) * u, down.transpose(1, 2), offsets))
 
 
+def _low_precision() -> dict[str, Callable[..., torch.Tensor]]:
+    from opencomposer.kernels.grouped_gemm import experts_backend
+
+    # report §6.1: NVFP4 (per-token scales) forward + MXFP8 backward; and all-MXFP8, and bf16
+    return {"nvfp4": experts_backend("nvfp4", "mxfp8"), "mxfp8": experts_backend("mxfp8", "mxfp8"),
+            "bf16": experts_backend("bf16", "bf16")}
+
+
 # name -> fn(x_sorted (N, D), offsets (E,) int32, gate_up (E, 2I, D), down (E, D, I)) -> (N, D).
-# The kernels issue registers its low-precision paths here; `moe_backend` in the config selects one.
-EXPERT_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_experts}
+# `moe_backend` in the model config selects one; GPU kernels register theirs here too.
+EXPERT_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_experts, **_low_precision()}
 
 
 class Router(nn.Module):

@@ -1,0 +1,1 @@
+"""Low-precision formats and grouped GEMMs for the MoE layers (layer 1)."""

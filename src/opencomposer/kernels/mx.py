@@ -1,0 +1,183 @@
+"""Microscaling formats in pure torch (report §6.1; OCP Microscaling Formats spec v1.0).
+
+MXFP8: blocks of 32 elements along the last dimension share one E8M0 scale (a power of two);
+elements are FP8 E4M3 (max 448) or E5M2 (max 57344). The scale follows the recipe Cursor used
+(Mishra et al., "Recipes for pre-training LLMs with MXFP8"): 2^ceil(log2(amax / max_elem)),
+clamped to [2^-127, 2^127] — rounding *up* so no element overflows; the OCP spec's
+2^(floor(log2(amax)) - emax_elem) is available as `scale_rounding="floor"` (elements beyond the
+range then saturate). Elements round to nearest, ties to even, and saturate at the format's max.
+
+NVFP4 with per-token scales (the report's variant for the MoE forward): FP4 E2M1 values
+(0, 0.5, 1, 1.5, 2, 3, 4, 6), one FP8 E4M3 scale per 16 elements, and one FP32 scale per *token*
+(row) instead of per tensor — per-tensor scaling made RL batch-variant (a token's quantisation
+depended on the other tokens in the batch) and leaked future tokens into past ones. The
+quantiser divides with IEEE division (`x / scale`, never `x * (1 / scale)`): an approximate
+division diverged after about a hundred RL steps in the report.
+
+Bad input has defined behaviour: the last dimension is zero-padded to the block size (and the
+padding dropped on dequantisation); NaN propagates to its element; +-Inf and values beyond the
+format saturate to +-max; an all-zero block gets the smallest scale. Every function has a float64
+reference (`*_ref`) that never uses torch's float8 casts, and the tests check bit equality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMATS = {  # name: (exponent bits, mantissa bits, max normal, torch dtype)
+    "e4m3": (4, 3, 448.0, torch.float8_e4m3fn),
+    "e5m2": (5, 2, 57344.0, torch.float8_e5m2),
+    "e2m1": (2, 1, 6.0, None),
+}
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+class FormatError(ValueError):
+    pass
+
+
+@dataclass
+class MXTensor:
+    """Quantised data: `q` holds the element values (float8 for MXFP8; float32 values on the
+    E2M1 grid for NVFP4), `scale` the block scales as float32 powers of two (MXFP8) or E4M3 values
+    (NVFP4), `token_scale` the NVFP4 per-row FP32 scale, `k` the unpadded last dimension."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    k: int
+    block: int
+    fmt: str
+    token_scale: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        shape = self.q.shape
+        blocks = self.q.float().reshape(*shape[:-1], -1, self.block) * self.scale[..., None]
+        out = blocks.reshape(shape)
+        if self.token_scale is not None:
+            out = out * self.token_scale[..., None]
+        return out[..., : self.k]
+
+
+def _pad(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    k = x.shape[-1]
+    pad = (-k) % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x, k
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _amax(b: torch.Tensor) -> torch.Tensor:
+    """Block amax ignoring NaN (a NaN element stays NaN itself; it does not poison its block)."""
+    return torch.nan_to_num(b.abs(), nan=0.0).amax(-1)
+
+
+# -- element rounding ------------------------------------------------------------------------------
+
+def round_to_format_ref(v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64 reference: round to the nearest value of the format (ties to even), saturating at
+    its max; NaN stays NaN. Built from exponent arithmetic, not from torch's float8 casts."""
+    ebits, mbits, fmax = FORMATS[fmt][:3]
+    v = v.to(torch.float64)
+    bias = 2 ** (ebits - 1) - 1
+    emin = 1 - bias  # the smallest normal exponent; below it the step stays fixed (subnormals)
+    a = v.abs().clamp(max=fmax)
+    e = torch.floor(torch.log2(a.clamp(min=2.0 ** (emin - 1)))).clamp(min=emin)
+    step = torch.pow(2.0, e - mbits)
+    q = torch.round(a / step) * step  # torch.round: half to even
+    q = torch.minimum(q, torch.full_like(q, fmax))
+    out = torch.copysign(q, v)
+    return torch.where(torch.isnan(v), v, out)
+
+
+def round_to_format(v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Fast path: torch's float8 casts (RNE; saturating after the clamp) or the E2M1 grid."""
+    ebits, mbits, fmax, dtype = FORMATS[fmt]
+    v = v.float()
+    if dtype is not None:
+        return v.clamp(-fmax, fmax).to(dtype)  # clamp keeps NaN; the cast is round-to-nearest-even
+    return _round_e2m1(v)
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 value, ties to the even code (the one with mantissa bit 0), saturating at 6."""
+    a = v.abs().clamp(max=6.0)
+    grid = E2M1_VALUES.to(v.device)
+    idx = torch.searchsorted(grid, a.contiguous()).clamp(max=7)  # first grid point >= a
+    hi, lo = grid[idx], grid[(idx - 1).clamp(min=0)]
+    take_lo = (a - lo < hi - a) | ((a - lo == hi - a) & ((idx - 1).clamp(min=0) % 2 == 0))
+    q = torch.where(take_lo & (idx > 0), lo, hi)
+    return torch.where(torch.isnan(v), v, torch.copysign(q, v))
+
+
+# -- MXFP8 ------------------------------------------------------------------------------------------
+
+def _mx_exponent(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
+    ebits, mbits, fmax = FORMATS[fmt][:3]
+    # Inf saturates: amax is capped so that max_elem x scale stays a finite float32
+    amax = amax.to(torch.float64).clamp(max=torch.finfo(torch.float32).max / 2)
+    tiny = amax <= 0
+    safe = torch.where(tiny, torch.ones_like(amax), amax)
+    if rounding == "ceil":
+        e = torch.ceil(torch.log2(safe / fmax))
+    elif rounding == "floor":
+        emax_elem = {"e4m3": 8, "e5m2": 15, "e2m1": 2}[fmt]  # the OCP spec's table
+        e = torch.floor(torch.log2(safe)) - emax_elem
+    else:
+        raise FormatError(f"scale_rounding must be ceil or floor, got {rounding!r}")
+    return torch.where(tiny, torch.full_like(e, -127.0), e).clamp(-127, 127)
+
+
+def quantize_mx(x: torch.Tensor, fmt: str = "e4m3", block: int = 32, scale_rounding: str = "ceil") -> MXTensor:
+    if fmt not in ("e4m3", "e5m2"):
+        raise FormatError(f"MXFP8 elements are e4m3 or e5m2, got {fmt!r}")
+    xp, k = _pad(x.float(), block)
+    b = _blocks(xp, block)
+    e = _mx_exponent(_amax(b), fmt, scale_rounding)
+    scale = torch.pow(2.0, e).float()
+    q = round_to_format(b / scale[..., None], fmt)  # division by a power of two: exact
+    return MXTensor(q.reshape(xp.shape), scale, k, block, fmt)
+
+
+def quantize_mx_ref(x: torch.Tensor, fmt: str = "e4m3", block: int = 32, scale_rounding: str = "ceil",
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference: (element values, block scales)."""
+    xp, k = _pad(x.to(torch.float64), block)
+    b = _blocks(xp, block)
+    e = _mx_exponent(_amax(b), fmt, scale_rounding)
+    scale = torch.pow(2.0, e)
+    q = round_to_format_ref(b / scale[..., None], fmt)
+    return q.reshape(xp.shape), scale
+
+
+# -- NVFP4 with per-token scales -------------------------------------------------------------------
+
+def quantize_nvfp4(x: torch.Tensor, block: int = 16) -> MXTensor:
+    """Rows are tokens: FP32 scale per row, E4M3 scale per 16 elements, E2M1 elements."""
+    xp, k = _pad(x.float(), block)
+    b = _blocks(xp, block)
+    row_amax = _amax(b).amax(-1).clamp(max=torch.finfo(torch.float32).max)
+    token = torch.where(row_amax > 0, row_amax / (448.0 * 6.0), torch.ones_like(row_amax))
+    bscale = round_to_format(_amax(b) / 6.0 / token[..., None], "e4m3").float()  # IEEE division
+    bscale = torch.where(bscale > 0, bscale, torch.ones_like(bscale))
+    q = _round_e2m1(b / (bscale[..., None] * token[..., None, None]))            # IEEE division
+    return MXTensor(q.reshape(xp.shape), bscale, k, block, "nvfp4", token_scale=token)
+
+
+def quantize_nvfp4_ref(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 reference with the float32 rounding points of the fast path made explicit."""
+    xp, k = _pad(x.to(torch.float64), block)
+    b = _blocks(xp, block)
+    f32 = lambda t: t.to(torch.float32).to(torch.float64)  # noqa: E731 - the fast path's fp32 steps
+    row_amax = f32(_amax(b).amax(-1))
+    token = torch.where(row_amax > 0, f32(row_amax / f32(torch.tensor(448.0 * 6.0, dtype=torch.float64))),
+                        torch.ones_like(row_amax))
+    bscale = round_to_format_ref(f32(f32(_amax(b) / 6.0) / token[..., None]), "e4m3")
+    bscale = torch.where(bscale > 0, bscale, torch.ones_like(bscale))
+    denom = f32(bscale[..., None] * token[..., None, None])
+    q = round_to_format_ref(f32(b / denom), "e2m1")
+    return q.reshape(xp.shape), bscale, token
