@@ -33,6 +33,7 @@ bench: setup
 	$(PY) benchmarks/model.py
 	$(PY) benchmarks/inference.py
 	$(PY) benchmarks/train.py
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -52,7 +52,7 @@ def main() -> None:
         rows[fmt] = (secs, err)
     flops = 2 * sum(counts) * 1024 * 512
     lines = ["## Low-precision formats on CPU (`benchmarks/kernels.py`, for information)", "",
-             f"Reproduce: `.venv/bin/python benchmarks/kernels.py {' '.join(sys.argv[1:])}`. Pure-torch reference "
+             f"Reproduce: `{' '.join(['.venv/bin/python', 'benchmarks/kernels.py', *sys.argv[1:]])}`. Pure-torch reference "
              "path (quantise, dequantise, float32 grouped product); the speed goal is for GPUs.", "",
              "| quantiser | GB/s of float32 input |", "|---|---|"]
     lines += [f"| {k} | {gb / v:.2f} |" for k, v in q.items()]

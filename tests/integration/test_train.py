@@ -5,6 +5,7 @@ self-distillation, schedules."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -254,3 +255,17 @@ def test_cpt_vs_rl_study_first_part(tiny_folder, tmp_path):
     from pathlib import Path
 
     assert Path(res["folder"], "study.svg").read_text().count("<circle") == 2
+
+
+def test_bf16_autocast_trains(tmp_path):
+    from opencomposer.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1))
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    hist = Trainer(model, OptimConfig(bf16=True, ckpt_every=1000),
+                   (PhaseConfig(steps=8, seq_len=16, lr=1e-2, warmup=0, schedule="constant"),), tmp_path).run(
+        lambda pi, ph: (ids, None, ids[:, 1:]), lambda: {})
+    assert all(math.isfinite(h["loss"]) for h in hist) and hist[-1]["loss"] < hist[0]["loss"]
+    assert next(model.parameters()).dtype == torch.float32  # autocast: weights stay float32

@@ -36,8 +36,20 @@ def _softmax_logp(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return p, logp
 
 
+def _fp32(fn):
+    """Run a chunked loss in float32 even under autocast (its precision is the point)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kw)
+    return wrapped
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
+    @_fp32
     def forward(ctx, h, w, labels):
         n = h.shape[0]
         valid = labels != IGNORE
@@ -62,6 +74,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return total / max(count, 1)
 
     @staticmethod
+    @_fp32
     def backward(ctx, grad):
         gh, gw = ctx.saved_tensors
         return gh * grad, gw * grad, None
@@ -75,6 +88,7 @@ def cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
+    @_fp32
     def forward(ctx, h, w, targets, temperature):
         out = torch.empty(h.shape[0], dtype=torch.float32)
         wf = w.float()
@@ -85,6 +99,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_fp32
     def backward(ctx, grad):
         h, w, targets = ctx.saved_tensors
         t = ctx.temperature
