@@ -24,7 +24,7 @@ def setup_logging(level: str = "INFO", file: str | Path | None = None) -> None:
     handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
     root.addHandler(handler)
     # one line per HTTP request from the openai client's transport is noise at INFO
-    for noisy in ("httpx", "httpcore"):
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2"):  # openai 3.x ships the renamed fork
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     if file is not None:
         _add_file(root, Path(file))
