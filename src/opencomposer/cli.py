@@ -385,28 +385,27 @@ def _train_progress(total: int, label: str):
     return bar, update
 
 
-def cmd_pretrain(ns: argparse.Namespace, extra: list[str]) -> int:
+def _train_command(module, config_cls, label: str, ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer.core.config import load_config
-    from opencomposer.train import pretrain
 
-    cfg = load_config(pretrain.PretrainConfig, ns.config, _overrides(ns, extra))
-    bar, update = _train_progress(sum(p.steps for p in cfg.phases), "pretrain")
+    cfg = load_config(config_cls, ns.config, _overrides(ns, extra))
+    bar, update = _train_progress(sum(p.steps for p in cfg.phases), label)
     with bar:
-        summary = pretrain.run(cfg, data_dir=_data_dir(), progress=update)
+        summary = module.run(cfg, data_dir=_data_dir(), progress=update)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def cmd_pretrain(ns: argparse.Namespace, extra: list[str]) -> int:
+    from opencomposer.train import pretrain
+
+    return _train_command(pretrain, pretrain.PretrainConfig, "pretrain", ns, extra)
 
 
 def cmd_sft(ns: argparse.Namespace, extra: list[str]) -> int:
-    from opencomposer.core.config import load_config
     from opencomposer.train import sft
 
-    cfg = load_config(sft.SFTConfig, ns.config, _overrides(ns, extra))
-    bar, update = _train_progress(sum(p.steps for p in cfg.phases), "sft")
-    with bar:
-        summary = sft.run(cfg, data_dir=_data_dir(), progress=update)
-    print(json.dumps(summary, indent=2))
-    return 0
+    return _train_command(sft, sft.SFTConfig, "sft", ns, extra)
 
 
 def cmd_study_cpt_vs_rl(ns: argparse.Namespace, extra: list[str]) -> int:

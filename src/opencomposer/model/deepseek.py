@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from torch import nn
 
-from opencomposer.model.cache import KVCache, attend, segment_positions_and_mask
+from opencomposer.model.cache import KVCache, attend
 from opencomposer.model.errors import ModelLoadError
 from opencomposer.model.layers import (
     MLP,
+    CausalLM,
     ForwardOut,
     RMSNorm,
     apply_rope,
@@ -239,7 +240,7 @@ class MTPModule(nn.Module):
         return x
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(CausalLM):
     def __init__(self, cfg: DeepseekConfig):
         super().__init__()
         self.config = cfg
@@ -272,13 +273,7 @@ class DeepseekModel(nn.Module):
         sampler's experts (router replay); `mtp=True` also returns the MTP heads' logits (no cache)."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if cache is None and segments is not None:
-            pos, mask, r = segment_positions_and_mask(segments)
-        elif cache is None:
-            pos, mask, r = torch.arange(t)[None].expand(b, t), None, None
-        else:
-            r = cache.rows_tensor(rows)
-            pos, mask = cache.positions(r, t), cache.mask(r, t)
+        pos, mask, r = self._positions(input_ids, cache, rows, segments)
         if replay is not None and tuple(replay.shape[:3]) != (b, t, self.config.num_moe_layers):
             raise ValueError(f"replay has shape {tuple(replay.shape)}, expected ({b}, {t}, "
                              f"{self.config.num_moe_layers}, {self.config.num_experts_per_tok})")
@@ -327,20 +322,6 @@ class DeepseekModel(nn.Module):
         x = module(h, self.embed_tokens(next_ids), cos, sin, cache, r, mask)
         cache.advance(r, t)
         return self.lm_head(module.norm(x))
-
-    def _head(self, h: torch.Tensor, which: bool | str) -> torch.Tensor | None:
-        """Logits for every position (True), only the last ("last": what sampling needs), or none."""
-        if which == "last":
-            return self.lm_head(h[:, -1:])
-        return self.lm_head(h) if which else None
-
-    def forward(self, input_ids: torch.Tensor, **options):
-        """Logits; with any `run` option, the full ForwardOut. Training calls the model (not
-        `run`) so that module hooks — FSDP2's all-gathers — fire."""
-        return self.run(input_ids, **options) if options else self.run(input_ids).logits
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     # -- Hugging Face names -------------------------------------------------------------------------
     _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -409,8 +390,6 @@ class DeepseekModel(nn.Module):
         key = self._hf_names().get(name)
         return None if key is None else (state if state is not None else self.state_dict())[key]
 
-    def optional_hf_keys(self) -> set[str]:
-        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
 
 
 def preset(name: str, **overrides) -> DeepseekConfig:

@@ -81,7 +81,8 @@ def load_weights(model, folder: Path) -> None:
                 except Exception as e:  # noqa: BLE001
                     raise ModelLoadError(f"{f}: tensor {name} is unreadable ({e})") from None
                 if tuple(t.shape) != tuple(target.shape):
-                    raise ModelLoadError(f"{f}: {name} has shape {tuple(t.shape)}, config.json says {tuple(target.shape)}")
+                    raise ModelLoadError(f"{f}: {name} has shape {tuple(t.shape)}, "
+                                         f"config.json says {tuple(target.shape)}")
                 target.copy_(t)
                 seen.add(name)
     missing = expected - seen - model.optional_hf_keys()

@@ -79,3 +79,41 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=std)
+
+
+class CausalLM(nn.Module):
+    """What both model families share around their `run`: where positions and masks come from,
+    the head, `forward`, and bookkeeping. Subclasses define `embed_tokens`, `lm_head`, `config`
+    and `run`."""
+
+    @staticmethod
+    def _positions(input_ids: torch.Tensor, cache, rows, segments):
+        """(positions (B, T), attention mask or None, cache rows or None) for a forward: packed
+        documents restart positions and close attention across documents; a cache continues each
+        row from its own length."""
+        from opencomposer.model.cache import segment_positions_and_mask
+
+        b, t = input_ids.shape
+        if cache is None and segments is not None:
+            return segment_positions_and_mask(segments)
+        if cache is None:
+            return torch.arange(t)[None].expand(b, t), None, None
+        r = cache.rows_tensor(rows)
+        return cache.positions(r, t), cache.mask(r, t), r
+
+    def _head(self, h: torch.Tensor, which: bool | str) -> torch.Tensor | None:
+        """Logits for every position (True), only the last ("last": what sampling needs), or none."""
+        if which == "last":
+            return self.lm_head(h[:, -1:])
+        return self.lm_head(h) if which else None
+
+    def forward(self, input_ids: torch.Tensor, **options):
+        """Logits; with any `run` option, the full ForwardOut. Training calls the model (not
+        `run`) so that module hooks — FSDP2's all-gathers — fire."""
+        return self.run(input_ids, **options) if options else self.run(input_ids).logits
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def optional_hf_keys(self) -> set[str]:
+        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()

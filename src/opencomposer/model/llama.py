@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from opencomposer.model.cache import KVCache, attend, segment_positions_and_mask
+from opencomposer.model.cache import KVCache, attend
 from opencomposer.model.errors import ModelLoadError
-from opencomposer.model.layers import MLP, ForwardOut, RMSNorm, apply_rope, init_weights, rope_tables
+from opencomposer.model.layers import MLP, CausalLM, ForwardOut, RMSNorm, apply_rope, init_weights, rope_tables
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,7 +95,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(CausalLM):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
@@ -116,13 +116,7 @@ class LlamaModel(nn.Module):
         all slots) and each row continues from its own length."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
-        if cache is None and segments is not None:
-            pos, mask, r = segment_positions_and_mask(segments)
-        elif cache is None:
-            pos, mask, r = torch.arange(t)[None].expand(b, t), None, None
-        else:
-            r = cache.rows_tensor(rows)
-            pos, mask = cache.positions(r, t), cache.mask(r, t)
+        pos, mask, r = self._positions(input_ids, cache, rows, segments)
         cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, r, mask)
@@ -130,20 +124,6 @@ class LlamaModel(nn.Module):
             cache.advance(r, t)
         h = self.norm(x)
         return ForwardOut(logits=self._head(h, logits), hidden=h)
-
-    def _head(self, h: torch.Tensor, which: bool | str) -> torch.Tensor | None:
-        """Logits for every position (True), only the last ("last": what sampling needs), or none."""
-        if which == "last":
-            return self.lm_head(h[:, -1:])
-        return self.lm_head(h) if which else None
-
-    def forward(self, input_ids: torch.Tensor, **options):
-        """Logits; with any `run` option, the full ForwardOut. Training calls the model (not
-        `run`) so that module hooks — FSDP2's all-gathers — fire."""
-        return self.run(input_ids, **options) if options else self.run(input_ids).logits
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     # Hugging Face names: everything but the head lives under "model.".
     def to_hf_state(self) -> dict[str, torch.Tensor]:
@@ -156,6 +136,3 @@ class LlamaModel(nn.Module):
     def hf_target(self, name: str, state: dict | None = None) -> torch.Tensor | None:
         """The tensor a Hugging Face tensor name loads into (None: not ours)."""
         return (state if state is not None else self.state_dict()).get(name.removeprefix("model."))
-
-    def optional_hf_keys(self) -> set[str]:
-        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
