@@ -103,7 +103,7 @@ def test_grouped_experts_equal_a_per_token_loop():
                 ref[n] += gates[n, j] * (moe.experts.down[e] @ h)
         ref = ref.view_as(x) + moe.shared_experts(x)
     assert torch.allclose(out, ref, atol=1e-5)
-    assert int(stats.load.sum()) == 18 * cfg.num_experts_per_tok and (stats.load == 0).any() is not None
+    assert int(stats.load.sum()) == 18 * cfg.num_experts_per_tok  # every (token, slot) counted once
 
 
 def test_router_respects_group_limits_and_gates_ignore_the_bias():

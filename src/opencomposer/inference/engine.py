@@ -65,10 +65,6 @@ class Sequence:
     # speculative decoding: (main hidden at position i, token i+1) pairs the MTP has not seen yet
     pending: list = field(default_factory=list)
 
-    def wait(self, timeout: float) -> None:
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"sequence {self.id} did not finish within {timeout:.0f} s")
-
 
 @dataclass
 class _Group:

@@ -408,10 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.get("stream"):
             return self._stream(body, rid, created, prompt, seqs, tools)
-        try:
-            o.wait(seqs)
-        except RequestError:
-            raise
+        o.wait(seqs)
         self._send_json(200, {"id": rid, "object": "chat.completion", "created": created, "model": o.name,
                               "choices": [o.chat_choice(i, s, body, tools) for i, s in enumerate(seqs)],
                               "usage": o.usage(prompt, seqs)})

@@ -25,19 +25,23 @@ class ModelStageConfig:
     max_new_tokens: int = 48
 
 
-def greedy(model, ids: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+def greedy(model, ids: list[int], max_new_tokens: int, stop: set[int] = frozenset(), until=None) -> list[int]:
+    """Greedy decoding with the model's KV cache, batch 1: stops before a token in `stop`, or
+    after the token for which `until(tokens so far)` is true."""
     import torch
 
     with torch.no_grad():
         cache = model.new_cache(1, len(ids) + max_new_tokens + 1)
-        logits = model.run(torch.tensor([ids]), cache=cache).logits
+        logits = model.run(torch.tensor([ids]), cache=cache, logits="last").logits
         out: list[int] = []
         for _ in range(max_new_tokens):
             nxt = int(logits[0, -1].argmax())
             if nxt in stop:
                 break
             out.append(nxt)
-            logits = model.run(torch.tensor([[nxt]]), cache=cache).logits
+            if until is not None and until(out):
+                break
+            logits = model.run(torch.tensor([[nxt]]), cache=cache, logits="last").logits
     return out
 
 

@@ -136,25 +136,15 @@ def state_prompt(case: StateCase) -> str:
 
 
 def similarity(predicted: str, truth: str) -> float:
-    """Character similarity in [0, 1] (difflib's ratio; 1.0 only for an exact reconstruction)."""
-    if predicted == truth:
-        return 1.0
-    return difflib.SequenceMatcher(None, predicted, truth, autojunk=False).ratio() * (0.999)
+    """Character similarity in [0, 1] (difflib's ratio, which is 1.0 only for equal strings)."""
+    return difflib.SequenceMatcher(None, predicted, truth, autojunk=False).ratio()
 
 
-@torch.no_grad()
 def greedy_until(model, prompt: list[int], max_new: int, stop_text: str, decode) -> str:
-    """Greedy decoding with the model's KV cache until `stop_text` appears (train is below the
-    inference layer, so this stays a few lines here rather than an engine dependency)."""
-    cache = model.new_cache(1, len(prompt) + max_new + 1)
-    logits = model.run(torch.tensor([prompt]), cache=cache, logits="last").logits
-    out: list[int] = []
-    for _ in range(max_new):
-        nxt = int(logits[0, -1].argmax())
-        out.append(nxt)
-        if len(out) % 8 == 0 and stop_text in decode(out):
-            break
-        logits = model.run(torch.tensor([[nxt]]), cache=cache, logits="last").logits
+    """Greedy decoding until `stop_text` appears (checked every 8 tokens)."""
+    from opencomposer.model.stage import greedy
+
+    out = greedy(model, prompt, max_new, until=lambda toks: len(toks) % 8 == 0 and stop_text in decode(toks))
     return decode(out).split(stop_text, 1)[0]
 
 

@@ -158,9 +158,9 @@ def run(cfg: PretrainConfig, *, run_dir: RunDir | None = None, data_dir: Path = 
             return ids, seg, labels
 
         def data_state() -> dict:
-            pi, _ = trainer.phase_of(trainer.step)
-            (si, s), = samplers.items() if samplers else ((None, None),)
-            return {"phase": si, "sampler": s.state() if s is not None else None, "next_phase": pi}
+            for pi, s in samplers.items():  # at most one: the current phase's
+                return {"phase": pi, "sampler": s.state()}
+            return {}
 
         evals = []
         ev = cfg.phases[0].seq_len

@@ -149,15 +149,23 @@ def run(cfg: SFTConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path(
     pad = tok.eos_id if tok.eos_id is not None else 0
     order = {"epoch": 0, "i": 0}
 
+    perms: dict[int, list[int]] = {}
+
+    def permutation(epoch: int) -> list[int]:  # each epoch's order, derived from (seed, epoch)
+        if epoch not in perms:
+            perms.clear()
+            idx = list(range(len(train)))
+            random.Random(cfg.seed + epoch).shuffle(idx)
+            perms[epoch] = idx
+        return perms[epoch]
+
     def batches(pi: int, phase: PhaseConfig):
         out = []
         for _ in range(cfg.optim.batch_size):
             if order["i"] >= len(train):
                 order["epoch"] += 1
                 order["i"] = 0
-            idx = list(range(len(train)))
-            random.Random(cfg.seed + order["epoch"]).shuffle(idx)
-            ex = train[idx[order["i"]]]
+            ex = train[permutation(order["epoch"])[order["i"]]]
             order["i"] += 1
             out.append(Example(ex.ids[: phase.seq_len], ex.labels[: phase.seq_len]))
         return collate(out, pad)

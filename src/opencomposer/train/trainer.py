@@ -24,6 +24,7 @@ import torch
 from opencomposer.core.metrics import MetricsWriter
 from opencomposer.model import checkpoint as ckpt
 from opencomposer.model.loss import IGNORE, cross_entropy
+from opencomposer.train import distributed
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +114,6 @@ def mtp_distill_loss(model, ids: torch.Tensor, segments: torch.Tensor | None, la
     return main + weight * kl_mean, float(kl_mean.detach())
 
 
-def distributed_sum(x: float) -> float:
-    from opencomposer.train.distributed import all_sum
-
-    return all_sum(x)
-
-
 Batch = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # ids, segments, labels (aligned to ids[:, 1:])
 
 
@@ -133,8 +128,6 @@ class Trainer:
             lr_at(0, p)  # validates the schedule name
             if p.mtp_weight and not len(getattr(model, "mtp", ())):
                 raise TrainError(f"phase {p.name!r}: mtp_weight needs a model with MTP heads")
-        from opencomposer.train import distributed
-
         self.rank, self.world = distributed.setup()
         if self.world > 1:
             distributed.shard(model)
@@ -163,8 +156,6 @@ class Trainer:
         if path is None:
             return {}
         if self.world > 1:
-            from opencomposer.train import distributed
-
             state = distributed.load(self, path)
         else:
             state = ckpt.load(path, self.model, self.opt, tokenizer_json=self.tokenizer_json)
@@ -218,7 +209,7 @@ class Trainer:
                 total += loss.item() * share / cfg.grad_accum
                 tokens += count
             if self.world > 1:
-                total = distributed_sum(total)
+                total = distributed.all_sum(total)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip) if cfg.clip else torch.tensor(0.0)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -239,8 +230,6 @@ class Trainer:
 
     def save(self, data_position: dict) -> Path | None:
         if self.world > 1:
-            from opencomposer.train import distributed
-
             path = distributed.save(self, data_position)
             if self.rank != 0:
                 return path
