@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/kernels.py   # writes the "kernels" section of docs/benchmarks.md
 
-Quantiser throughput (input GB/s) for MXFP8 and per-token NVFP4, and the emulated grouped Fprop
+Quantiser throughput (input GB/s) for MXFP8, FP8 1x128 and per-token NVFP4, and the emulated grouped Fprop
 in each format against the float32 `grouped_mm` at a small MoE shape, with relative errors
 against float64. Medians of 5 runs.
 """
@@ -33,12 +33,13 @@ def timed(fn, n: int = 5) -> float:
 
 def main() -> None:
     from opencomposer.kernels import grouped_gemm as gg
-    from opencomposer.kernels.mx import quantize_mx, quantize_nvfp4
+    from opencomposer.kernels.mx import quantize_fp8_block, quantize_mx, quantize_nvfp4
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 1024, generator=g)
     gb = x.numel() * 4 / 1e9
     q = {"MXFP8 (E4M3, 1x32, ceil scales)": timed(lambda: quantize_mx(x)),
+         "FP8 blocks (E4M3, FP32 per 1x128)": timed(lambda: quantize_fp8_block(x)),
          "NVFP4 (E2M1, E4M3 per 16, FP32 per token)": timed(lambda: quantize_nvfp4(x))}
     counts = [512, 256, 768, 512, 0, 1024, 512, 512]  # 8 experts, one empty
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -46,7 +47,7 @@ def main() -> None:
     w = torch.randn(8, 512, 1024, generator=g)
     ref = gg.reference(xs, w, offs)
     rows = {}
-    for fmt in ("fp32", "bf16", "mxfp8", "nvfp4"):
+    for fmt in ("fp32", "bf16", "mxfp8", "fp8-block", "nvfp4"):
         secs = timed(lambda: gg.fprop(xs, w, offs, fmt))
         err = float((gg.fprop(xs, w, offs, fmt).double() - ref).norm() / ref.norm())
         rows[fmt] = (secs, err)

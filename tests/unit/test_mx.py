@@ -9,6 +9,8 @@ torch = pytest.importorskip("torch")
 
 from opencomposer.kernels.mx import (  # noqa: E402
     FormatError,
+    quantize_fp8_block,
+    quantize_fp8_block_ref,
     quantize_mx,
     quantize_mx_ref,
     quantize_nvfp4,
@@ -85,16 +87,45 @@ def test_padding_and_zero_blocks():
 
 def test_nvfp4_matches_its_reference_and_is_batch_invariant():
     x = adversarial(448.0)[: 16 * 600].reshape(60, 160)
+    x[3, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 17.0])   # Inf saturates
     nv = quantize_nvfp4(x)
     q, bscale, token = quantize_nvfp4_ref(x)
-    assert torch.equal(nv.q.double(), q) and torch.equal(nv.scale.double(), bscale)
-    assert torch.equal(nv.token_scale.double(), token)
+    assert torch.equal(torch.nan_to_num(nv.q.double(), nan=7.0), torch.nan_to_num(q, nan=7.0))
+    assert torch.equal(nv.scale.double(), bscale) and torch.equal(nv.token_scale.double(), token)
+    assert nv.q[3, 0].isnan() and nv.q[3, 1] == 6.0 and nv.q[3, 2] == -6.0
     # a token's quantisation does not depend on the other tokens in the batch
     alone = quantize_nvfp4(x[17:18]).dequantize()
     assert torch.equal(alone[0], nv.dequantize()[17])
     other = x.clone()
     other[:17] *= 1000.0
     assert torch.equal(quantize_nvfp4(other).dequantize()[17], nv.dequantize()[17])
+
+
+@pytest.mark.parametrize("rows", [1, 128])
+def test_fp8_blocks_match_their_reference(rows):
+    adv = adversarial(448.0)
+    x = torch.cat([adv, adv.flip(0) * 0.37])[: 200 * 136].reshape(200, 136)  # neither a multiple of 128
+    x[3, 5], x[7, 40], x[150:] = float("nan"), float("inf"), 0.0
+    fb = quantize_fp8_block(x, rows=rows)
+    q, scale = quantize_fp8_block_ref(x, rows=rows)
+    assert fb.scale.shape == ((200, 2) if rows == 1 else (2, 2))
+    assert torch.equal(fb.scale.double(), scale)
+    assert torch.equal(torch.nan_to_num(fb.q.float().double(), nan=7.0), torch.nan_to_num(q, nan=7.0))
+    deq = fb.dequantize()
+    assert deq.shape == x.shape and torch.isnan(deq[3, 5]) and torch.isfinite(deq[7, 40])
+    if rows == 1:
+        assert (fb.scale[150:] == 1.0).all() and (deq[150:] == 0).all()   # all-zero tiles
+
+
+def test_fp8_weight_blocks_serve_the_transpose():
+    """A 128x128 block holds the same values whichever way it is read, so the backward's W^T needs
+    no second quantisation (the reason DeepSeek-V3 tiles weights this way); 1x32 MX blocks do."""
+    w = torch.randn(3, 256, 384, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(quantize_fp8_block(w, rows=128).dequantize().transpose(1, 2),
+                       quantize_fp8_block(w.transpose(1, 2), rows=128).dequantize())
+    assert not torch.equal(quantize_mx(w).dequantize().transpose(1, 2), quantize_mx(w.transpose(1, 2)).dequantize())
+    with pytest.raises(FormatError, match="1x128 or 128x128"):
+        quantize_fp8_block(w, rows=32)
 
 
 @pytest.mark.parametrize("fmt,bound", [("mxfp8", 0.045), ("nvfp4", 0.15)])

@@ -6,22 +6,34 @@ Layouts follow `nn.Linear`: tokens `x` (N, K) sorted by expert with cumulative `
 int32, weights `w` (G, M, K). Each operand is quantised along the product's reduction dimension —
 K for Fprop, M for Dgrad, the tokens of each expert for Wgrad (blocks never straddle experts) —
 then multiplied. This pure-torch path emulates the kernels exactly up to float32 accumulation
-order: a fused GPU kernel multiplies the FP8/FP4 values and applies the same scales. A Triton path
-for Hopper is the GPU issue's work (`benchmarks/kernels_gpu.py` when a GPU is lent).
+order: the Triton kernels (`triton_gemm`) multiply the FP8/FP4 values and apply the same scales.
+`fp8-block` quantises activations in 1x128 tiles and weights in 128x128 blocks (DeepSeek-V3).
+
+`LowPrecisionExperts` runs on the Triton kernels when the tensors are on a GPU (`kernel="auto"`)
+and on this emulation elsewhere; `kernel="triton"` forces the kernels, which on a CPU means
+Triton's interpreter (the tests use it to check the whole layer).
 """
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
-from opencomposer.kernels.mx import FormatError, quantize_mx, quantize_nvfp4
+from opencomposer.kernels.mx import FormatError, quantize_fp8_block, quantize_mx, quantize_nvfp4
 
-FMTS = ("fp32", "bf16", "mxfp8", "nvfp4")
+FMTS = ("fp32", "bf16", "mxfp8", "nvfp4", "fp8-block")
+KERNELS = ("auto", "torch", "triton")
+TRITON_FMTS = ("mxfp8", "nvfp4", "fp8-block")  # bf16 and fp32 are torch's own grouped_mm
 
 
-def qdq(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantise along the last dimension and dequantise (float32 result)."""
+def qdq(x: torch.Tensor, fmt: str, weight: bool = False) -> torch.Tensor:
+    """Quantise along the last dimension and dequantise (float32 result). `weight` selects the
+    weights' tiling where it differs from the activations' (128x128 blocks for fp8-block)."""
+    if fmt == "fp8-block":
+        return quantize_fp8_block(x, rows=128 if weight else 1).dequantize()
     if fmt == "fp32":
         return x.float()
     if fmt == "bf16":
@@ -43,14 +55,17 @@ def _mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     return torch.cat(out)
 
 
-def fprop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fmt: str) -> torch.Tensor:
-    """y (N, M) = x_g @ w_g^T per expert; both quantised along K."""
-    return _mm(qdq(x, fmt), qdq(w, fmt).transpose(1, 2), offsets)
+def fprop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fmt: str,
+          index: torch.Tensor | None = None) -> torch.Tensor:
+    """y (N, M) = x[index]_g @ w_g^T per expert; both quantised along K."""
+    x = x if index is None else x[index]
+    return _mm(qdq(x, fmt), qdq(w, fmt, weight=True).transpose(1, 2), offsets)
 
 
 def dgrad(dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fmt: str) -> torch.Tensor:
     """dx (N, K) = dy_g @ w_g; both quantised along M."""
-    return _mm(qdq(dy, fmt), qdq(w.transpose(1, 2).contiguous(), fmt).transpose(1, 2).contiguous(), offsets)
+    wt = qdq(w.transpose(1, 2).contiguous(), fmt, weight=True)
+    return _mm(qdq(dy, fmt), wt.transpose(1, 2).contiguous(), offsets)
 
 
 def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -74,38 +89,56 @@ def reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.
     return torch.cat(out)
 
 
+def products(kernel: str, fmt: str, device: torch.device) -> ModuleType:
+    """The module whose fprop/dgrad/wgrad (same signatures in both) run `fmt` on `kernel`:
+    `triton_gemm` on a GPU (or when forced), this emulation otherwise."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if fmt in TRITON_FMTS and (kernel == "triton" or (kernel == "auto" and device.type == "cuda")):
+        from opencomposer.kernels import triton_gemm  # imports triton: only when used
+
+        return triton_gemm
+    return sys.modules[__name__]
+
+
 class LowPrecisionExperts(torch.autograd.Function):
-    """The SwiGLU experts with their forward in `fwd` and their backward in `bwd` (report §6.1:
-    NVFP4 with per-token scales forward, MXFP8 backward)."""
+    """The SwiGLU experts over the rows `token` of `x` (sorted by expert, cumulative `offsets`),
+    with their forward in `fwd` and their backward in `bwd` (report §6.1: NVFP4 with per-token
+    scales forward, MXFP8 backward). The gather of rows is fused into the first quantiser on the
+    Triton path; only `x` and `token` are kept for the backward, not the gathered copy."""
 
     @staticmethod
-    def forward(ctx, x, offsets, gate_up, down, fwd: str, bwd: str):
-        h = fprop(x, gate_up, offsets, fwd)
+    def forward(ctx, x, token, offsets, gate_up, down, fwd: str, bwd: str, kernel: str = "auto"):
+        ops = products(kernel, fwd, x.device)
+        h = ops.fprop(x, gate_up, offsets, fwd, index=token)  # the quantisers read x in its own dtype
         g, u = h.chunk(2, dim=-1)
         a = F.silu(g) * u
-        y = fprop(a, down, offsets, fwd)
-        ctx.save_for_backward(x, offsets, gate_up, down, g, u, a)
-        ctx.bwd = bwd
+        y = ops.fprop(a, down, offsets, fwd)
+        ctx.save_for_backward(x, token, offsets, gate_up, down, g, u, a)
+        ctx.bwd, ctx.kernel = bwd, kernel
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, offsets, gate_up, down, g, u, a = ctx.saved_tensors
-        fmt = ctx.bwd
+        x, token, offsets, gate_up, down, g, u, a = ctx.saved_tensors
+        ops, fmt = products(ctx.kernel, ctx.bwd, dy.device), ctx.bwd
         dy = dy.contiguous().float()
-        d_a = dgrad(dy, down, offsets, fmt)
-        d_down = wgrad(a, dy, offsets, fmt)
+        d_a = ops.dgrad(dy, down, offsets, fmt)
+        d_down = ops.wgrad(a, dy, offsets, fmt)
         s = torch.sigmoid(g)
         d_g = d_a * u * s * (1 + g * (1 - s))
         d_u = d_a * F.silu(g)
         dh = torch.cat([d_g, d_u], dim=-1)
-        dx = dgrad(dh, gate_up, offsets, fmt)
-        d_gate_up = wgrad(x, dh, offsets, fmt)
-        return dx.to(x.dtype), None, d_gate_up.to(gate_up.dtype), d_down.to(down.dtype), None, None
+        dx_sorted = ops.dgrad(dh, gate_up, offsets, fmt)
+        d_gate_up = ops.wgrad(x[token], dh, offsets, fmt)
+        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, dx_sorted)
+        return (dx.to(x.dtype), None, None, d_gate_up.to(gate_up.dtype), d_down.to(down.dtype),
+                None, None, None)
 
 
-def experts_backend(fwd: str, bwd: str):
-    """An expert backend for `model/moe.py`'s EXPERT_BACKENDS seam."""
-    def run(x, offsets, gate_up, down):
-        return LowPrecisionExperts.apply(x, offsets, gate_up, down, fwd, bwd)
+def experts_backend(fwd: str, bwd: str, kernel: str = "auto"):
+    """An expert backend for `model/moe.py`'s EXPERT_BACKENDS seam:
+    fn(x (T, D), token (N,), offsets (E,), gate_up, down) -> (N, D)."""
+    def run(x, token, offsets, gate_up, down):
+        return LowPrecisionExperts.apply(x, token, offsets, gate_up, down, fwd, bwd, kernel)
     return run

@@ -7,6 +7,12 @@ clamped to [2^-127, 2^127] — rounding *up* so no element overflows; the OCP sp
 2^(floor(log2(amax)) - emax_elem) is available as `scale_rounding="floor"` (elements beyond the
 range then saturate). Elements round to nearest, ties to even, and saturate at the format's max.
 
+FP8 with 1x128 / 128x128 block scales (DeepSeek-V3's recipe, `quantize_fp8_block`): E4M3
+elements, one float32 scale amax/448 per 1x128 tile of activations and per 128x128 block of
+weights. On Hopper, which has no MX instructions, the kernel applies scales in software after each
+K step; a 128-deep step per scale costs less than MX's 32-deep one, and a 128x128 weight block
+serves both W and W^T, so the backward does not re-quantise the weights.
+
 NVFP4 with per-token scales (the report's variant for the MoE forward): FP4 E2M1 values
 (0, 0.5, 1, 1.5, 2, 3, 4, 6), one FP8 E4M3 scale per 16 elements, and one FP32 scale per *token*
 (row) instead of per tensor — per-tensor scaling made RL batch-variant (a token's quantisation
@@ -40,19 +46,25 @@ class FormatError(ValueError):
 
 @dataclass
 class MXTensor:
-    """Quantised data: `q` holds the element values (float8 for MXFP8; float32 values on the
-    E2M1 grid for NVFP4), `scale` the block scales as float32 powers of two (MXFP8) or E4M3 values
-    (NVFP4), `token_scale` the NVFP4 per-row FP32 scale, `k` the unpadded last dimension."""
+    """Quantised data: `q` holds the element values (float8 for MXFP8 and FP8 blocks; values on
+    the E2M1 grid for NVFP4, as float32 from torch or float8 from the Triton quantiser, which
+    holds them exactly), `scale` the block scales as float32 (powers of two for MXFP8, E4M3 values
+    for NVFP4, amax/448 for FP8 blocks), `token_scale` the NVFP4 per-row FP32 scale, `k` the
+    unpadded last dimension, `rows` how many rows share a scale (128 for 128x128 weight blocks)."""
     q: torch.Tensor
     scale: torch.Tensor
     k: int
     block: int
     fmt: str
     token_scale: torch.Tensor | None = None
+    rows: int = 1
 
     def dequantize(self) -> torch.Tensor:
         shape = self.q.shape
-        blocks = self.q.float().reshape(*shape[:-1], -1, self.block) * self.scale[..., None]
+        scale = self.scale
+        if self.rows > 1:
+            scale = scale.repeat_interleave(self.rows, dim=-2)[..., : shape[-2], :]
+        blocks = self.q.float().reshape(*shape[:-1], -1, self.block) * scale[..., None]
         out = blocks.reshape(shape)
         if self.token_scale is not None:
             out = out * self.token_scale[..., None]
@@ -154,6 +166,49 @@ def quantize_mx_ref(x: torch.Tensor, fmt: str = "e4m3", block: int = 32, scale_r
     return q.reshape(xp.shape), scale
 
 
+# -- FP8 with 1x128 / 128x128 block scales -------------------------------------------------------
+
+def _tile_amax(xp: torch.Tensor, rows: int, block: int) -> torch.Tensor:
+    """amax over rows x block tiles of the last two dimensions (rows = 1: per row)."""
+    b = _blocks(xp, block)
+    if rows == 1:
+        return _amax(b)
+    if xp.dim() < 2:
+        raise FormatError(f"{rows}x{block} blocks need a matrix, got shape {tuple(xp.shape)}")
+    a = _amax(b)                                                  # (..., R, nb)
+    pad = (-a.shape[-2]) % rows
+    a = torch.nn.functional.pad(a, (0, 0, 0, pad))                # zero rows do not raise amax
+    return a.reshape(*a.shape[:-2], -1, rows, a.shape[-1]).amax(-2)
+
+
+def _expand_rows(scale: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    return scale if rows == 1 else scale.repeat_interleave(rows, dim=-2)[..., :n, :]
+
+
+def quantize_fp8_block(x: torch.Tensor, rows: int = 1, block: int = 128) -> MXTensor:
+    """E4M3 with a float32 scale amax/448 per `rows` x `block` tile: 1x128 for activations,
+    128x128 for weights. An all-zero tile gets scale 1; Inf saturates; NaN stays in its element."""
+    if rows not in (1, block):
+        raise FormatError(f"FP8 blocks are 1x{block} or {block}x{block}, got {rows}x{block}")
+    xp, k = _pad(x.float(), block)
+    amax = _tile_amax(xp, rows, block).clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    full = _expand_rows(scale, rows, xp.shape[-2] if xp.dim() > 1 else 1)
+    q = round_to_format(_blocks(xp, block) / full[..., None], "e4m3")            # IEEE division
+    return MXTensor(q.reshape(xp.shape), scale, k, block, "e4m3", rows=rows)
+
+
+def quantize_fp8_block_ref(x: torch.Tensor, rows: int = 1, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference (float32 rounding points explicit): (element values, tile scales)."""
+    f32 = lambda t: t.to(torch.float32).to(torch.float64)  # noqa: E731
+    xp, k = _pad(x.to(torch.float64), block)
+    amax = _tile_amax(xp, rows, block).clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.where(amax > 0, f32(amax / 448.0), torch.ones_like(amax))
+    full = _expand_rows(scale, rows, xp.shape[-2] if xp.dim() > 1 else 1)
+    q = round_to_format_ref(f32(_blocks(xp, block) / full[..., None]), "e4m3")
+    return q.reshape(xp.shape), scale
+
+
 # -- NVFP4 with per-token scales -------------------------------------------------------------------
 
 def quantize_nvfp4(x: torch.Tensor, block: int = 16) -> MXTensor:
@@ -173,7 +228,7 @@ def quantize_nvfp4_ref(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, 
     xp, k = _pad(x.to(torch.float64), block)
     b = _blocks(xp, block)
     f32 = lambda t: t.to(torch.float32).to(torch.float64)  # noqa: E731 - the fast path's fp32 steps
-    row_amax = f32(_amax(b).amax(-1))
+    row_amax = f32(_amax(b).amax(-1).clamp(max=torch.finfo(torch.float32).max))  # Inf saturates
     token = torch.where(row_amax > 0, f32(row_amax / f32(torch.tensor(448.0 * 6.0, dtype=torch.float64))),
                         torch.ones_like(row_amax))
     bscale = round_to_format_ref(f32(f32(_amax(b) / 6.0) / token[..., None]), "e4m3")

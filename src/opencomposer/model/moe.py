@@ -70,10 +70,11 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def torch_experts(x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The reference expert backend: SwiGLU over sorted tokens with grouped products.
-    gate_up (E, 2I, D) and down (E, D, I) are in nn.Linear (out, in) layout."""
-    h = grouped_mm(x, gate_up.transpose(1, 2), offsets)
+def torch_experts(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """The reference expert backend: SwiGLU over the rows `token` of x (sorted by expert) with
+    grouped products. gate_up (E, 2I, D) and down (E, D, I) are in nn.Linear (out, in) layout."""
+    h = grouped_mm(x[token], gate_up.transpose(1, 2), offsets)
     g, u = h.chunk(2, dim=-1)
     return _ContiguousGrad.apply(grouped_mm(F.silu(g) * u, down.transpose(1, 2), offsets))
 
@@ -81,13 +82,15 @@ def torch_experts(x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor,
 def _low_precision() -> dict[str, Callable[..., torch.Tensor]]:
     from opencomposer.kernels.grouped_gemm import experts_backend
 
-    # report §6.1: NVFP4 (per-token scales) forward + MXFP8 backward; and all-MXFP8, and bf16
+    # report §6.1: NVFP4 (per-token scales) forward + MXFP8 backward; all-MXFP8; DeepSeek-V3's
+    # FP8 with 1x128 / 128x128 block scales; and bf16. Triton kernels on CUDA, emulation elsewhere.
     return {"nvfp4": experts_backend("nvfp4", "mxfp8"), "mxfp8": experts_backend("mxfp8", "mxfp8"),
-            "bf16": experts_backend("bf16", "bf16")}
+            "fp8-block": experts_backend("fp8-block", "fp8-block"), "bf16": experts_backend("bf16", "bf16")}
 
 
-# name -> fn(x_sorted (N, D), offsets (E,) int32, gate_up (E, 2I, D), down (E, D, I)) -> (N, D).
-# `moe_backend` in the model config selects one; GPU kernels register theirs here too.
+# name -> fn(x (T, D), token (N,) rows of x sorted by expert, offsets (E,) int32 cumulative ends,
+# gate_up (E, 2I, D), down (E, D, I)) -> (N, D). Passing x and the row index rather than the
+# gathered copy lets a kernel fuse the gather into its quantiser. `moe_backend` selects one.
 EXPERT_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_experts, **_low_precision()}
 
 
@@ -187,7 +190,7 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         token = order // k
         offsets = torch.bincount(flat, minlength=self.gate_up.shape[0]).cumsum(0).to(torch.int32)
-        y = EXPERT_BACKENDS[self.backend](x[token], offsets, self.gate_up, self.down)
+        y = EXPERT_BACKENDS[self.backend](x, token, offsets, self.gate_up, self.down)
         y = y * gates.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
