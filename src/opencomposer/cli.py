@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 
@@ -285,8 +286,6 @@ def cmd_tasks_validate(ns: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_eval_run(ns: argparse.Namespace, extra: list[str]) -> int:
-    import time
-
     from rich.progress import Progress
 
     from opencomposer.core.config import load_config
@@ -418,6 +417,29 @@ def cmd_study_cpt_vs_rl(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_kernels_check(ns: argparse.Namespace, extra: list[str]) -> int:
+    from rich.progress import Progress
+
+    from opencomposer import report
+    from opencomposer.core.config import load_config
+    from opencomposer.core.metrics import EventLog, MetricsWriter
+    from opencomposer.core.rundir import RunDir
+    from opencomposer.train import precision
+
+    cfg = load_config(precision.KernelsStageConfig, ns.config, _overrides(ns, extra))
+    run_dir = RunDir.create(ns.out, "kernels")
+    run_dir.write_config(cfg)
+    with EventLog(run_dir.events) as events, MetricsWriter(run_dir.metrics) as metrics, Progress() as bar:
+        task = bar.add_task("kernels: train the MoE per backend", total=cfg.steps * len(cfg.backends))
+        events.emit("stage_start", stage="kernels")
+        t0 = time.monotonic()
+        precision.run(cfg, run_dir, metrics, progress=lambda: bar.advance(task))
+        events.emit("stage_end", stage="kernels", seconds=time.monotonic() - t0)
+    print(report.write(run_dir).read_text())
+    print(f"run folder: {run_dir.root}")
+    return 0
+
+
 def cmd_eval_base(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer.core.config import load_config
     from opencomposer.train import base_evals
@@ -536,6 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sy.add_parser("cpt-vs-rl", help="CPT at log-spaced budgets, identical SFT (and RL, when it exists)")
     sc.add_argument("-c", "--config", help="TOML (StudyConfig: pretrain, sft, levels)")
     sc.set_defaults(fn=cmd_study_cpt_vs_rl)
+
+    kn = sub.add_parser("kernels", help="low-precision MoE kernels").add_subparsers(dest="sub", required=True)
+    kc = kn.add_parser("check", help="quantisers vs float64, GEMM errors per format, a tiny MoE trained per backend")
+    kc.add_argument("-c", "--config", help="TOML (KernelsStageConfig)")
+    kc.add_argument("--out", default="runs", help="parent folder of the run folder")
+    kc.set_defaults(fn=cmd_kernels_check)
 
     mo = sub.add_parser("model", help="models").add_subparsers(dest="sub", required=True)
     mi = mo.add_parser("import-default", help="the embedded SmolLM2-135M-Instruct GGUF -> a Hugging Face model folder")

@@ -110,8 +110,27 @@ def sft_section(s: dict) -> list[str]:
             f"tokens carry the loss), {s['steps']} steps: loss {s['loss_before']:.4f} -> {s['loss_after']:.4f}.", ""]
 
 
+def kernels_section(s: dict) -> list[str]:
+    t, c = s["training"], s["config"]
+    lines = ["## Low-precision MoE kernels", "",
+             f"On `{s['device']}` ({s['kernels']} kernels). Quantisers bit-exact against their float64 references: "
+             + ", ".join(f"{k} {_yes(v)}" for k, v in s["quantisers_exact"].items()) + ".", "",
+             "| format | Fprop error | Dgrad error | Wgrad error | bound | within |", "|---|---|---|---|---|---|"]
+    lines += [f"| {f} | {e['fprop']:.2%} | {e['dgrad']:.2%} | {e['wgrad']:.2%} | {e['bound']:.1%} | {_yes(e['within'])} |"
+              for f, e in s["gemm_errors"].items()]
+    lines += ["", f"A `{c['preset']}` MoE trained {c['steps']} steps on the bytes of standard-library code "
+              f"({', '.join(c['modules'])}) from the same initial weights, once per expert backend:", "",
+              "| backend | forward / backward | first loss | final loss | held-out loss | vs float32 | seconds |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {r['formats'][0]} / {r['formats'][1]} | {r['losses'][0]:.3f} | {r['losses'][-1]:.3f} | "
+              f"{r['heldout_loss']:.3f} | {r['heldout_vs_float32']:+.1%} | {r['seconds']:.1f} |"
+              for n, r in sorted(t.items(), key=lambda kv: kv[0] != "torch")]  # the float32 baseline first
+    return lines + ["", "![training loss per backend](kernels/loss.svg)", ""]
+
+
 SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section,
-            "inference": inference_section, "cpt": cpt_section, "sft": sft_section}
+            "inference": inference_section, "cpt": cpt_section, "sft": sft_section,
+            "kernels": kernels_section}
 
 
 def render(run_dir: RunDir) -> str:

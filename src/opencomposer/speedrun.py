@@ -7,7 +7,9 @@ oracle = 100% and noop = 0%); model (the embedded SmolLM2 imported from GGUF and
 Llama code, tokenizer and chat renderer); inference (that model served by our engine behind the
 OpenAI-compatible server: latency, batched sampling, train/serve numerics, an in-flight weight
 swap); cpt (continued pretraining on a code mix with codebase perplexity and state tracking before
-and after); sft (the run's own agent trajectories, assistant-only loss). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
+and after); sft (the run's own agent trajectories, assistant-only loss); kernels (the quantisers
+against float64, grouped-GEMM errors per format, and a tiny MoE trained per low-precision expert
+backend against float32). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
 into its own folder of the run so that `report.py` can read the run folder alone.
 """
 
@@ -25,6 +27,7 @@ from opencomposer.harness import stage as harness_stage
 from opencomposer.inference import stage as inference_stage
 from opencomposer.model import stage as model_stage
 from opencomposer.sandbox import stage as sandbox_stage
+from opencomposer.train import precision
 from opencomposer.train import stage as train_stage
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class SpeedrunConfig:
     inference: inference_stage.InferenceStageConfig = field(default_factory=inference_stage.InferenceStageConfig)
     cpt: train_stage.CPTStageConfig = field(default_factory=train_stage.CPTStageConfig)
     sft: train_stage.SFTStageConfig = field(default_factory=train_stage.SFTStageConfig)
+    kernels: precision.KernelsStageConfig = field(default_factory=precision.KernelsStageConfig)
 
 
 def base_model(cfg: SpeedrunConfig, run_dir: RunDir) -> Path:
@@ -63,7 +67,7 @@ def run(cfg: SpeedrunConfig) -> RunDir:
     log.info("speedrun -> %s", run_dir.root)
     stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled), ("evals", cfg.evals.enabled),
               ("model", cfg.model.enabled), ("inference", cfg.inference.enabled), ("cpt", cfg.cpt.enabled),
-              ("sft", cfg.sft.enabled)]
+              ("sft", cfg.sft.enabled), ("kernels", cfg.kernels.enabled)]
     with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         for name, enabled in stages:
             if not enabled:
@@ -101,6 +105,10 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                     train_stage.run_sft(cfg.sft, run_dir, metrics,
                                         sft_base if sft_base.exists() else base_model(cfg, run_dir),
                                         progress=lambda step, rec: bar.update(task, completed=step))
+                elif name == "kernels":
+                    task = bar.add_task("kernels: formats vs float64, a MoE per backend",
+                                        total=cfg.kernels.steps * len(cfg.kernels.backends))
+                    precision.run(cfg.kernels, run_dir, metrics, progress=lambda: bar.advance(task))
             except Exception as e:
                 events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")
                 log.exception("stage %s failed", name)

@@ -47,7 +47,8 @@ def test_doctor_json():
 def test_speedrun_small(tmp_path):
     r = cli("speedrun", f"--out_dir={tmp_path}", "--sandbox.latency_samples=3", "--evals.passes=1",
             "--evals.benchmark.sources=[\"colorsys\"]", "--inference.samples=4", "--inference.max_tokens=12",
-            "--cpt.steps=2", "--cpt.state_cases=1", "--cpt.eval_tokens=512", "--sft.steps=1", "--sft.seq_len=2048")
+            "--cpt.steps=2", "--cpt.state_cases=1", "--cpt.eval_tokens=512", "--sft.steps=1", "--sft.seq_len=2048",
+            "--kernels.steps=4", "--kernels.backends=[\"torch\", \"nvfp4\"]")
     assert r.returncode == 0, r.stderr[-3000:]
     (run,) = list(tmp_path.iterdir())
     summary = json.loads((run / "sandbox" / "summary.json").read_text())
@@ -65,7 +66,8 @@ def test_speedrun_small(tmp_path):
                       ("stage_start", "evals"), ("stage_end", "evals"),
                       ("stage_start", "model"), ("stage_end", "model"),
                       ("stage_start", "inference"), ("stage_end", "inference"),
-                      ("stage_start", "cpt"), ("stage_end", "cpt"), ("stage_start", "sft"), ("stage_end", "sft")]
+                      ("stage_start", "cpt"), ("stage_end", "cpt"), ("stage_start", "sft"), ("stage_end", "sft"),
+                      ("stage_start", "kernels"), ("stage_end", "kernels")]
     model = json.loads((run / "model" / "summary.json").read_text())
     assert model["writes_code"] and model["parameters"] > 100e6 and "## Model" in report
     evals = json.loads((run / "evals" / "summary.json").read_text())
@@ -78,3 +80,7 @@ def test_speedrun_small(tmp_path):
     assert (run / "cpt" / "model" / "tokenizer.json").exists() and "## Continued pretraining" in report
     sft = json.loads((run / "sft" / "summary.json").read_text())
     assert sft["examples"] >= 2 and sft["assistant_tokens"] > 0 and "## SFT" in report
+    kernels = json.loads((run / "kernels" / "summary.json").read_text())
+    assert all(kernels["quantisers_exact"].values()) and all(e["within"] for e in kernels["gemm_errors"].values())
+    assert set(kernels["training"]) == {"torch", "nvfp4"} and len(kernels["training"]["nvfp4"]["losses"]) == 4
+    assert "## Low-precision MoE kernels" in report and (run / "kernels" / "loss.svg").exists()

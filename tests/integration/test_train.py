@@ -269,3 +269,27 @@ def test_bf16_autocast_trains(tmp_path):
         lambda pi, ph: (ids, None, ids[:, 1:]), lambda: {})
     assert all(math.isfinite(h["loss"]) for h in hist) and hist[-1]["loss"] < hist[0]["loss"]
     assert next(model.parameters()).dtype == torch.float32  # autocast: weights stay float32
+
+
+def test_pretrain_picks_the_moe_backend(tiny_folder, tmp_path):
+    """`moe_backend` in the recipe puts a MoE model's experts on the low-precision path (it is ours,
+    not in the Hugging Face config); a dense model or an unknown backend is refused up front."""
+    from opencomposer.tokenizer.bpe import Tokenizer
+
+    tok = Tokenizer.load(tiny_folder / "tokenizer.json")
+    torch.manual_seed(0)
+    folder = tmp_path / "moe"
+    save_model(DeepseekModel(preset("tiny-moe", vocab_size=tok.vocab_size, num_nextn_predict_layers=0)), folder)
+    tok.save(folder / "tokenizer.json")
+    model, _, _ = pretrain.load_base(str(folder), tmp_path, "nvfp4")
+    assert model.config.moe_backend == "nvfp4"
+    assert {m.backend for m in model.modules() if hasattr(m, "backend")} == {"nvfp4"}
+    phases = (PhaseConfig(steps=3, seq_len=64, lr=3e-3, warmup=0),)
+    res = pretrain.run(pretrain.PretrainConfig(model=str(folder), moe_backend="fp8-block", mix=MIX, phases=phases,
+                                               run_dir=tmp_path / "run", optim=OptimConfig(batch_size=2)))
+    assert res["steps"] == 3
+    assert all(math.isfinite(r["loss"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r)
+    with pytest.raises(TrainError, match="needs a mixture-of-experts model"):
+        pretrain.load_base(str(tiny_folder), tmp_path, "nvfp4")
+    with pytest.raises(TrainError, match="not registered"):
+        pretrain.load_base(str(folder), tmp_path, "int3")

@@ -16,6 +16,7 @@ go through `EXPERT_BACKENDS[config.moe_backend]`, the seam the low-precision ker
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,6 +93,22 @@ def _low_precision() -> dict[str, Callable[..., torch.Tensor]]:
 # gate_up (E, 2I, D), down (E, D, I)) -> (N, D). Passing x and the row index rather than the
 # gathered copy lets a kernel fuse the gather into its quantiser. `moe_backend` selects one.
 EXPERT_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_experts, **_low_precision()}
+
+
+def use_backend(model: nn.Module, name: str) -> int:
+    """Switch every routed-expert layer of a loaded model to backend `name` (how a training
+    recipe picks `moe_backend`: it is ours, not part of the Hugging Face config). Returns how many
+    layers changed."""
+    if name not in EXPERT_BACKENDS:
+        raise ValueError(f"moe_backend {name!r} is not registered (have: {sorted(EXPERT_BACKENDS)})")
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    if not layers:
+        raise ValueError(f"moe_backend {name!r} needs a mixture-of-experts model; {type(model).__name__} has none")
+    for m in layers:
+        m.backend = name
+    if hasattr(getattr(model, "config", None), "moe_backend"):
+        model.config = dataclasses.replace(model.config, moe_backend=name)  # the config stays truthful
+    return len(layers)
 
 
 class Router(nn.Module):

@@ -38,6 +38,9 @@ def default_mix() -> MixConfig:
 class PretrainConfig:
     model: str = "default"
     """A model folder (config.json, safetensors, tokenizer.json) or "default"."""
+    moe_backend: str = ""
+    """The expert path of a MoE model (`nvfp4`, `mxfp8`, `fp8-block`, `bf16`, `torch`); "" keeps the
+    model's own (float32 `torch`). See docs/kernels.md."""
     mix: MixConfig = field(default_factory=default_mix)
     dataset: Path | None = None
     """A built dataset folder to use instead of building `mix` into the run folder."""
@@ -54,16 +57,22 @@ class PretrainConfig:
     """Resume (or write) this exact run folder."""
 
 
-def load_base(spec: str, data_dir: Path):
-    """(model, tokenizer, folder) for "default" or a model folder."""
+def load_base(spec: str, data_dir: Path, moe_backend: str = ""):
+    """(model, tokenizer, folder) for "default" or a model folder, its experts on `moe_backend`."""
     from opencomposer.model.hf import load_model
     from opencomposer.model.interop import import_default
+    from opencomposer.model.moe import use_backend
     from opencomposer.tokenizer.bpe import Tokenizer
 
     folder = data_dir / "models" / "smollm2-135m-instruct" if spec == "default" else Path(spec)
     if spec == "default" and not (folder / "config.json").exists():
         import_default(folder)
     model = load_model(folder)
+    if moe_backend:
+        try:
+            use_backend(model, moe_backend)
+        except ValueError as e:
+            raise TrainError(f"{folder}: {e}") from None
     tok = Tokenizer.load(folder)
     if tok.vocab_size > model.config.vocab_size:
         raise TrainError(f"{folder}: tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
@@ -127,7 +136,7 @@ def run(cfg: PretrainConfig, *, run_dir: RunDir | None = None, data_dir: Path = 
     if main:
         run_dir.write_config(cfg)
     torch.manual_seed(cfg.seed)
-    model, tok, folder = load_base(cfg.model, data_dir)
+    model, tok, folder = load_base(cfg.model, data_dir, cfg.moe_backend)
     dataset = cfg.dataset
     if dataset is None:
         dataset = run_dir.root / "data"

@@ -26,6 +26,8 @@ from opencomposer.train.trainer import OptimConfig, PhaseConfig, Trainer, TrainE
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SFTConfig:
     model: str = "default"
+    moe_backend: str = ""
+    """The expert path of a MoE model ("" keeps the model's own); as in PretrainConfig."""
     data: tuple[str, ...] = ()
     """Trajectory files, folders of them (every *.json that is a trajectory), or .jsonl files."""
     phases: tuple[PhaseConfig, ...] = (PhaseConfig(name="sft", steps=50, seq_len=1024, lr=2e-5, warmup=5),)
@@ -134,7 +136,7 @@ def run(cfg: SFTConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path(
     run_dir = run_dir or RunDir.create(cfg.out_dir, cfg.name)
     run_dir.write_config(cfg)
     torch.manual_seed(cfg.seed)
-    model, tok, folder = load_base(cfg.model, data_dir)
+    model, tok, folder = load_base(cfg.model, data_dir, cfg.moe_backend)
     renderer = ChatRenderer(tok)
     max_len = max(p.seq_len for p in cfg.phases)
     convs = conversations(cfg.data, default_tool_schemas())

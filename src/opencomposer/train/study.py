@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from opencomposer.core.plot import chart
 from opencomposer.core.rundir import RunDir, write_atomic
 from opencomposer.train import pretrain, sft
 from opencomposer.train.trainer import TrainError
@@ -29,30 +30,6 @@ class StudyConfig:
     """CPT steps per level (log-spaced compute)."""
     out_dir: Path = Path("runs")
     name: str = "study-cpt-vs-rl"
-
-
-def svg(points: list[tuple[float, float]], xlabel: str, ylabel: str) -> str:
-    """A small inline-SVG scatter plot (log x axis); no plotting dependency."""
-    import math
-
-    w, h, pad = 420, 280, 48
-    xs = [math.log10(max(x, 1e-12)) for x, _ in points]
-    ys = [y for _, y in points]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-
-    def px(x, y):
-        return pad + (x - x0) / (x1 - x0) * (w - 2 * pad), h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad)
-
-    dots = "".join(f'<circle cx="{px(x, y)[0]:.1f}" cy="{px(x, y)[1]:.1f}" r="4" fill="#3366cc"/>'
-                   f'<text x="{px(x, y)[0] + 6:.1f}" y="{px(x, y)[1] - 6:.1f}" font-size="10">{y:.3f}</text>'
-                   for x, y in zip(xs, ys))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">'
-            f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>'
-            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>{dots}'
-            f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle" font-size="12">{xlabel}</text>'
-            f'<text x="14" y="{h / 2}" font-size="12" transform="rotate(-90 14 {h / 2})" text-anchor="middle">'
-            f'{ylabel}</text></svg>')
 
 
 def run(cfg: StudyConfig, *, data_dir: Path = Path("data"), progress=None) -> dict:
@@ -83,7 +60,8 @@ def run(cfg: StudyConfig, *, data_dir: Path = Path("data"), progress=None) -> di
     md += [f"| {r['cpt_steps']} | {r['cpt_tokens']} | {r['cpt_flops']:.2e} | {r['cpt_heldout_loss']:.4f} | "
            f"{r['sft_loss']:.4f} | pending (RL) |" for r in rows]
     write_atomic(root.root / "study.md", "\n".join(md) + "\n")
-    write_atomic(root.root / "study.svg", svg([(r["cpt_flops"], r["sft_loss"]) for r in rows],
-                                              "CPT compute (FLOPs, log)", "SFT loss"))
+    write_atomic(root.root / "study.svg", chart({"SFT loss": [(r["cpt_flops"], r["sft_loss"]) for r in rows]},
+                                                "CPT compute (FLOPs, log)", "SFT loss", log_x=True, lines=False,
+                                                labels=True))
     result["folder"] = str(root.root)
     return result
