@@ -107,6 +107,8 @@ def test_bad_input_is_refused():
         tg.grouped(quantize_rows(x, "fp8-block"), tg.quantize_experts(w, "mxfp8"), offs)
     with pytest.raises(mx.FormatError, match="unknown format"):
         quantize_rows(x, "int4")
+    with pytest.raises(IndexError, match="out of range"):
+        quantize_rows(x, index=torch.tensor([0, x.shape[0]]))
     with pytest.raises(mx.FormatError, match="not 'bf16'"):
         tg.fprop(x, w, offs, "bf16")
     with pytest.raises(ValueError, match="kernel must be"):

@@ -138,6 +138,10 @@ def quantize_rows(x: torch.Tensor, fmt: str = "mxfp8", index: torch.Tensor | Non
     fmax, mbits, emin, emax = ELEMENTS[elem]
     x = x.contiguous()
     n = x.shape[0] if index is None else index.numel()
+    if index is not None and n and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+        # the kernel would read outside x (garbage or a fault on a GPU): refuse, like x[index] does
+        raise IndexError(f"row index out of range for a matrix of {x.shape[0]} rows "
+                         f"(index spans {int(index.min())}..{int(index.max())})")
     k = x.shape[1]
     nb = triton.cdiv(k, block)
     stored = "e5m2" if elem == "e5m2" else "e4m3"  # E2M1 values are stored exactly as E4M3
