@@ -46,10 +46,12 @@ def sync() -> None:
 
 
 def bench(fn, budget_s: float) -> float:
+    """Mean seconds per call over `budget_s` after one warm-up call (at least 3 calls; 1 when the
+    budget is 0, as in the smoke run)."""
     fn()
     sync()
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < budget_s or n < 3:
+    while time.perf_counter() - t0 < budget_s or n < (3 if budget_s > 0 else 1):
         fn()
         n += 1
     sync()
@@ -188,6 +190,21 @@ def main() -> None:
             row += [t_bf16 / tk if tk else None, t_bf16 / tq if tq else None]
         rows.append(row)
 
+    # timing: the fused permute + quantise against gathering the bf16 rows first, then quantising
+    fused_rows = []
+    for e, t, k, _ in shapes[:2]:
+        if rep.left() < 90 and not smoke:
+            break
+        n = e * t // 2
+        xb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        order = torch.randperm(e * t, device=dev) // 2  # top-2: every token twice, in expert order
+        row = [f"{n} tokens x 2 slots, D={k}"]
+        for fmt in FORMATS:
+            t_two = rep.attempt(lambda fmt=fmt: bench(lambda: quantize_rows(xb[order], fmt), per / 2))
+            t_one = rep.attempt(lambda fmt=fmt: bench(lambda: quantize_rows(xb, fmt, index=order), per / 2))
+            row.append(t_two / t_one if (t_one and t_two) else None)
+        fused_rows.append(row)
+
     # timing: the whole MoE layer, forward + backward, against the bf16 layer (torch grouped_mm)
     for e, t, k, m in shapes[:2]:
         if rep.left() < 40 and not smoke:
@@ -225,6 +242,9 @@ def main() -> None:
               "| shape | bf16 TFLOP/s | MXFP8 | +q | FP8 1x128 | +q | NVFP4 (bf16 MMA) | +q |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r[0]} | {r[1]:.0f} | " + " | ".join(fmt_x(v) for v in r[2:]) + " |" for r in rows]
+    lines += ["", "Fused permute + quantise (`quantize_rows(x, fmt, index=...)`), speed-up over gathering the bf16 "
+              "rows and then quantising them:", "", "| activations | MXFP8 | FP8 1x128 | NVFP4 |", "|---|---|---|---|"]
+    lines += [f"| {r[0]} | " + " | ".join(fmt_x(v) for v in r[1:]) + " |" for r in fused_rows]
     lines += ["", "MoE layer forward + backward, speed-up over the bf16 layer (torch `grouped_mm` with autograd):", "",
               "| shape | bf16 ms | NVFP4 fwd / MXFP8 bwd | MXFP8 | FP8 1x128 |", "|---|---|---|---|---|"]
     lines += [f"| {r[0]} | {'—' if r[1] is None else f'{r[1]:.1f}'} | " + " | ".join(fmt_x(v) for v in r[2:]) + " |"
