@@ -116,13 +116,13 @@ def round_to_format(v: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value, ties to the even code (the one with mantissa bit 0), saturating at 6."""
+    """Nearest E2M1 value, ties to the even code, saturating at 6. The grid's step is 2^(e-1) for
+    |v| in [2^e, 2^(e+1)) (0.5 below 1), so rounding |v| / step half-to-even lands on the even code:
+    a division by a power of two and a rounding, both exact, with no table lookup."""
     a = v.abs().clamp(max=6.0)
-    grid = E2M1_VALUES.to(v.device)
-    idx = torch.searchsorted(grid, a.contiguous()).clamp(max=7)  # first grid point >= a
-    hi, lo = grid[idx], grid[(idx - 1).clamp(min=0)]
-    take_lo = (a - lo < hi - a) | ((a - lo == hi - a) & ((idx - 1).clamp(min=0) % 2 == 0))
-    q = torch.where(take_lo & (idx > 0), lo, hi)
+    e = (torch.frexp(a).exponent - 1).clamp(min=0)  # floor(log2 a); 0 for a < 1, including 0
+    step = torch.ldexp(torch.ones_like(a), e - 1)
+    q = torch.round(a / step) * step
     return torch.where(torch.isnan(v), v, torch.copysign(q, v))
 
 
