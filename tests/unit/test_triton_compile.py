@@ -36,11 +36,14 @@ def divisions(words: list[str]) -> set[str]:
                                      ("nvfp4", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16")])
 def test_grouped_gemms_use_hopper_tensor_cores_in_their_precision(ptx, fmt, mma):
     assert mma in ptx[f"gemm/{fmt}/sm_90"]
+    if fmt != "nvfp4":  # the one-launch Wgrad too
+        assert mma in ptx[f"wgrad/{fmt}/sm_90"]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "fp8-block"])
 def test_fp8_gemms_use_blackwell_fp8_tensor_cores(ptx, fmt):
-    assert any(w.startswith("tcgen05.mma") and "f8f6f4" in w for w in ptx[f"gemm/{fmt}/sm_100"])
+    for kernel in ("gemm", "wgrad"):
+        assert any(w.startswith("tcgen05.mma") and "f8f6f4" in w for w in ptx[f"{kernel}/{fmt}/sm_100"])
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8-e5m2", "fp8-block", "nvfp4"])

@@ -72,6 +72,8 @@ def test_fprop_dgrad_wgrad_match_the_emulation(fmt):
     assert close(tg.dgrad(dy, w, offs, fmt, **TILES), gg.dgrad(dy, w, offs, fmt))
     got = tg.wgrad(x, dy, offs, fmt, **TILES)
     assert close(got, gg.wgrad(x, dy, offs, fmt)) and (got[1] == 0).all()
+    none = tg.wgrad(x[:0], dy[:0], torch.zeros(4, dtype=torch.int32), fmt, **TILES)   # no tokens at all
+    assert none.shape == (4, 40, 80) and (none == 0).all()
 
 
 def test_the_moe_layer_on_the_kernels_equals_the_layer_on_the_emulation():

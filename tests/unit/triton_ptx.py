@@ -25,6 +25,9 @@ GEMM_TYPES = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "ta_ptr": "*fp32", "b_ptr"
 GEMM_MODES = {"mxfp8": {"BK": 32, "SK": 32, "B_ROWS": 1, "DEQUANT": False},
               "fp8-block": {"BK": 128, "SK": 128, "B_ROWS": 128, "DEQUANT": False},
               "nvfp4": {"BK": 64, "SK": 16, "B_ROWS": 1, "DEQUANT": True}}
+WGRAD_TYPES = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*fp32",
+               "poffs_ptr": "*i32", **dict.fromkeys(("M", "N", "stride_am", "stride_sam", "stride_bn", "stride_sbn",
+                                                     "stride_cg", "stride_cm"), "i32")}
 QUANT_TYPES = {"x_ptr": "*bf16", "idx_ptr": "*i64", "q_ptr": "*u8", "s_ptr": "*fp32", "t_ptr": "*fp32",
                **dict.fromkeys(("N", "K", "NB", "stride_x", "stride_q", "stride_s"), "i32")}
 
@@ -50,6 +53,10 @@ def main() -> None:
             out[f"gemm/{fmt}/sm_{arch}"] = instructions(tg._grouped_kernel, GEMM_TYPES,
                                                         {"BM": 128, "BN": 128, "BF16_DOT": True, **mode}, arch,
                                                         num_warps=8, num_stages=3)
+        for fmt in ("mxfp8", "fp8-block"):
+            out[f"wgrad/{fmt}/sm_{arch}"] = instructions(tg._wgrad_kernel, WGRAD_TYPES,
+                                                         {"BM": 128, "BN": 128, "BK": tg.SPECS_BLOCK[fmt]}, arch,
+                                                         num_warps=8, num_stages=3)
     for fmt, (mode, block, elem) in tq.SPECS.items():
         fmax, mbits, emin, emax = tq.ELEMENTS[elem]
         s_bias, s_mbits, s_emin = (15, 2, -14) if elem == "e5m2" else (7, 3, -6)

@@ -12,8 +12,10 @@ C[rows of g] = A_g B_g^T, A (N, K) and B (G, M, K) both quantised along K.
   mis-converts float32 to bf16 and multiplies bf16 tiles wrongly, so on a CPU the same exact
   values go to a float32 `tl.dot`; the GPU check script covers the bf16 branch.)
 
-Fprop is (x, W); Dgrad is (dy quantised along M, W^T quantised along M); Wgrad runs the kernel
-once per expert on (dy_g^T, x_g^T), both quantised along that expert's tokens. `fprop` takes an
+Fprop is (x, W); Dgrad is (dy quantised along M, W^T quantised along M); Wgrad reduces over each
+expert's tokens: dy^T and x^T are laid out with every expert's stretch padded to the block (so no
+scale block straddles two experts), quantised along the tokens, and one launch computes every
+expert's dW over its own stretch (NVFP4, whose per-row scale would span experts, loops). `fprop` takes an
 optional row index and then quantises the gathered rows in one pass (`triton_quant`), the fused
 permute + quantise. On a CPU everything runs under Triton's interpreter (`TRITON_INTERPRET=1`, set
 before this module is imported): that is how the tests check it against the pure-torch emulation
@@ -27,9 +29,10 @@ import triton
 import triton.language as tl
 
 from opencomposer.kernels.mx import FormatError, MXTensor, quantize_fp8_block
-from opencomposer.kernels.triton_quant import quantize_rows
+from opencomposer.kernels.triton_quant import SPECS, quantize_rows
 
 FORMATS = ("mxfp8", "fp8-block", "nvfp4")
+SPECS_BLOCK = {fmt: SPECS[fmt][1] for fmt in FORMATS}
 
 
 @triton.jit
@@ -133,10 +136,69 @@ def dgrad(dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fmt: str = "
     return grouped(quantize_rows(dy, fmt), quantize_experts(w.transpose(1, 2).contiguous(), fmt), offsets, **tiles)
 
 
+@triton.jit
+def _wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, poffs_ptr, M, N,
+                  stride_am, stride_sam, stride_bn, stride_sbn, stride_cg, stride_cm,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """C[g] (M, N) = A[:, tokens of g] B[:, tokens of g]^T: the reduction runs over expert g's
+    stretch of the padded token axis, whose start and end are multiples of BK (one scale each)."""
+    g = tl.program_id(0)
+    pm = tl.program_id(1)
+    pn = tl.program_id(2)
+    start = tl.where(g == 0, 0, tl.load(poffs_ptr + g - 1, mask=g > 0, other=0))
+    end = tl.load(poffs_ptr + g)
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    rmask = rows < M
+    cmask = cols < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(start // BK, end // BK):
+        ks = kb * BK + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=rmask[:, None], other=0.0)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None], mask=cmask[None, :], other=0.0)
+        sa = tl.load(sa_ptr + rows * stride_sam + kb, mask=rmask, other=0.0)
+        sb = tl.load(sb_ptr + cols * stride_sbn + kb, mask=cmask, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    tl.store(c_ptr + g * stride_cg + rows[:, None] * stride_cm + cols[None, :], acc,
+             mask=rmask[:, None] & cmask[None, :])
+
+
+def pad_experts(t: torch.Tensor, offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `t` (sorted by expert) laid out with every expert's stretch zero-padded to a
+    multiple of `block`, transposed: (features, padded tokens), and the padded cumulative ends. A
+    quantisation block along the tokens then never straddles two experts."""
+    ends = offsets.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + block - 1) // block * block
+    pends = padded.cumsum(0)
+    total = int(pends[-1]) if pends.numel() else 0
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=t.device), counts, output_size=t.shape[0])
+    dest = torch.arange(t.shape[0], device=t.device) - (ends - counts)[expert] + (pends - padded)[expert]
+    out = t.new_zeros(total, t.shape[1]).index_copy_(0, dest, t)
+    return out.T.contiguous(), pends.to(torch.int32)
+
+
 def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, fmt: str = "mxfp8", **tiles) -> torch.Tensor:
+    """dW[g] = dy_g^T x_g, both quantised along expert g's tokens. FP8 formats: one launch for all
+    experts over the padded token axis; NVFP4, whose per-row scale would span experts in that
+    layout, runs one launch per expert."""
     _check(fmt)
     g = offsets.numel()
     out = torch.zeros(g, dy.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    if fmt != "nvfp4":
+        block = SPECS_BLOCK[fmt]
+        dyt, pends = pad_experts(dy, offsets, block)
+        xt, _ = pad_experts(x, offsets, block)
+        if dyt.shape[1] == 0:
+            return out
+        qa, qb = quantize_rows(dyt, fmt), quantize_rows(xt, fmt)
+        bm, bn = tiles.get("bm", 64), tiles.get("bn", 64)
+        grid = (g, triton.cdiv(out.shape[1], bm), triton.cdiv(out.shape[2], bn))
+        _wgrad_kernel[grid](qa.q, qa.scale, qb.q, qb.scale, out, pends, out.shape[1], out.shape[2],
+                            qa.q.stride(0), qa.scale.stride(0), qb.q.stride(0), qb.scale.stride(0),
+                            out.stride(0), out.stride(1), BM=bm, BN=bn, BK=block,
+                            num_warps=tiles.get("warps", 4), num_stages=tiles.get("stages", 3))
+        return out
     start = 0
     one = torch.tensor([dy.shape[1]], dtype=torch.int32, device=x.device)
     for e, end in enumerate(offsets.tolist()):  # one launch per expert: the reduction is its tokens
