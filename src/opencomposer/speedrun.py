@@ -9,8 +9,8 @@ OpenAI-compatible server: latency, batched sampling, train/serve numerics, an in
 swap); cpt (continued pretraining on a code mix with codebase perplexity and state tracking before
 and after); sft (the run's own agent trajectories, assistant-only loss); kernels (the quantisers
 against float64, grouped-GEMM errors per format, and a tiny MoE trained per low-precision expert
-backend against float32). Later capabilities add theirs here (harness, tasks, CPT, SFT, RL, evals), each writing
-into its own folder of the run so that `report.py` can read the run folder alone.
+backend against float32). Later capabilities (asynchronous RL, scale-out) add theirs here, each
+writing into its own folder of the run so that `report.py` can read the run folder alone.
 """
 
 from __future__ import annotations
