@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels in the tests run under Triton's CPU interpreter. The switch must be set before
+# anything imports triton: Triton's own helpers (tl.max, tl.cdiv, ...) are decorated at import, and
+# an interpreted kernel cannot call a compiled helper. (test_triton_compile.py compiles in a child
+# process without it.)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _state_dir(tmp_path_factory):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles anything: the CPU interpreter
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU interpreter (tests/conftest.py sets it first)
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
