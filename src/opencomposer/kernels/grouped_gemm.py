@@ -83,13 +83,19 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, fmt: str) ->
     return out
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """float64 Fprop, for error measurements."""
-    out, start = [], 0
-    for e, end in enumerate(offsets.tolist()):
-        out.append(x[start:end].double() @ w[e].double().T)
-        start = end
-    return torch.cat(out)
+def reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+              dy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The products in float64, for error measurements: "fprop", and with `dy` also "dgrad" and
+    "wgrad"."""
+    ends = offsets.tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+    xd, wd = x.double(), w.double()
+    out = {"fprop": torch.cat([xd[a:b] @ wd[e].T for e, (a, b) in enumerate(spans)])}
+    if dy is not None:
+        dyd = dy.double()
+        out["dgrad"] = torch.cat([dyd[a:b] @ wd[e] for e, (a, b) in enumerate(spans)])
+        out["wgrad"] = torch.stack([dyd[a:b].T @ xd[a:b] for a, b in spans])
+    return out
 
 
 def products(kernel: str, fmt: str, device: torch.device) -> ModuleType:

@@ -71,6 +71,13 @@ class MXTensor:
         return out[..., : self.k]
 
 
+def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (compared in float64 on the CPU, so any dtypes and devices), NaN matching NaN:
+    how quantisers are checked against their references."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def _pad(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     k = x.shape[-1]
     pad = (-k) % block

@@ -67,17 +67,13 @@ def exactness(device) -> dict[str, bool]:
     x[1] = 0.0
     xd = x.to(device)
 
-    def same(a, b):
-        a, b = a.cpu().double(), b.cpu().double()
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
     out = {}
     for name, fast, ref in (("mxfp8", mx.quantize_mx, mx.quantize_mx_ref),
                             ("fp8-block", mx.quantize_fp8_block, mx.quantize_fp8_block_ref),
                             ("nvfp4", mx.quantize_nvfp4, mx.quantize_nvfp4_ref)):
         q, r = fast(xd), ref(x)
-        ok = same(q.q.float(), r[0]) and same(q.scale, r[1])
-        out[name] = ok and (q.token_scale is None or same(q.token_scale, r[2]))
+        ok = mx.identical(q.q.float(), r[0]) and mx.identical(q.scale, r[1])
+        out[name] = ok and (q.token_scale is None or mx.identical(q.token_scale, r[2]))
     return out
 
 
@@ -92,11 +88,7 @@ def gemm_errors(device) -> dict[str, dict]:
     counts = [96, 0, 160, 64]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
     x, w, dy = (torch.randn(*s, generator=g).to(device) for s in ((320, 256), (4, 128, 256), (320, 128)))
-    starts = [0, *offs.tolist()[:-1]]
-    xd, wd, dyd = x.double(), w.double(), dy.double()
-    refs = {"fprop": torch.cat([xd[a:b] @ wd[e].T for e, (a, b) in enumerate(zip(starts, offs.tolist()))]),
-            "dgrad": torch.cat([dyd[a:b] @ wd[e] for e, (a, b) in enumerate(zip(starts, offs.tolist()))]),
-            "wgrad": torch.stack([dyd[a:b].T @ xd[a:b] for a, b in zip(starts, offs.tolist())])}
+    refs = gg.reference(x, w, offs, dy)
     out = {}
     for fmt, bound in gg.BOUNDS.items():
         ops = gg.products("auto", fmt, x.device)
