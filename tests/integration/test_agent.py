@@ -198,3 +198,27 @@ def test_cli_agent_with_apply(buggy_repo, tmp_path):
     assert "return a + b" in (buggy_repo / "pkg" / "calc.py").read_text()
     (run,) = list((tmp_path / "runs").iterdir())
     assert (run / "trajectory.json").exists() and (run / "trajectory.atif.json").exists()
+
+
+def test_parallel_same_file_edits_equal_running_them_in_order(tmp_path):
+    """Many edits of one file in one turn, mixed with reads and shell commands: nothing is lost, and
+    the diff equals the one from running the calls one by one."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    lines = [f"value_{i} = {i}" for i in range(14)]
+    (repo / "m.py").write_text("\n".join(lines) + "\n")
+    (repo / "n.py").write_text("n = 0\n")
+    calls = [{"name": "search_replace", "arguments": {"file_path": "m.py", "old_string": f"value_{i} = {i}",
+                                                      "new_string": f"value_{i} = {i * 10}"}} for i in range(2, 14, 2)]
+    calls.insert(2, {"name": "read_file", "arguments": {"target_file": "m.py"}})
+    calls.insert(4, {"name": "run_terminal_cmd", "arguments": {"command": "echo shell >> n.py"}})
+    calls += [{"name": "search_replace", "arguments": {"file_path": "./m.py", "old_string": "value_1 = 1\n",
+                                                       "new_string": "value_1 = -1\n"}},
+              {"name": "search_replace", "arguments": {"file_path": "n.py", "old_string": "shell",
+                                                       "new_string": "shell edited"}},
+              {"name": "write_file", "arguments": {"file_path": "o.py", "contents": "o = 1\n"}}]
+    script = [{"tool_calls": calls}, {"content": "done"}]
+    par = run_agent(repo, ScriptedPolicy(script), AgentConfig(parallel_tool_calls=True, max_parallel=8))
+    seq = run_agent(repo, ScriptedPolicy(script), AgentConfig(parallel_tool_calls=False))
+    assert par.tool_errors == 0 and seq.tool_errors == 0
+    assert par.diff == seq.diff and par.diff.count("\n+value_") == 7 and "+shell edited" in par.diff

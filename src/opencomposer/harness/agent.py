@@ -23,11 +23,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from opencomposer.harness import prompt
+from opencomposer.harness import prompt, schedule
 from opencomposer.harness.policy import Completion, Policy, PolicyError
 from opencomposer.harness.tools import ToolConfig, ToolContext, build_toolset
 from opencomposer.harness.tools.shell import render_todos
@@ -170,8 +169,12 @@ class Agent:
             self.on_event("tool_call", {"name": tc.name, "arguments": tc.arguments})
         t = time.perf_counter()
         if self.config.parallel_tool_calls and len(calls) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(calls), self.config.max_parallel)) as pool:
-                results = list(pool.map(lambda tc: self.toolset.call(ctx, tc.name, tc.arguments), calls))
+            # Parallel only where calls cannot conflict: same-path calls keep their order, a shell
+            # command is a barrier (harness/schedule.py), so the outcome equals running them in order.
+            workdir = self.sandbox.config.workdir
+            accesses = [schedule.access_of(self.toolset.tools, tc.name, tc.arguments, workdir) for tc in calls]
+            results = schedule.run_ordered(calls, accesses, lambda tc: self.toolset.call(ctx, tc.name, tc.arguments),
+                                           self.config.max_parallel)
         else:
             results = [self.toolset.call(ctx, tc.name, tc.arguments) for tc in calls]
         traj.tool_seconds += time.perf_counter() - t

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opencomposer.harness.schedule import BARRIER, Access
 from opencomposer.sandbox.base import SandboxError, ToolCallError
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Tool:
     description: str
     parameters: dict
     run: Callable[[ToolContext, dict], str]
+    access: Callable[[dict], Access] = lambda args: BARRIER
+    """What a call with these arguments touches (harness/schedule.py); unknown means everything."""
 
     def schema(self) -> dict:
         return {"type": "function", "function": {"name": self.name, "description": self.description,

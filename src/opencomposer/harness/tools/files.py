@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from opencomposer.harness.schedule import Access
 from opencomposer.harness.tools.base import Tool, ToolContext, ToolError
 from opencomposer.sandbox.base import ToolCallError
 
@@ -139,25 +140,26 @@ TOOLS = [
              "target_file": {"type": "string", "description": "Path relative to the workspace root."},
              "offset": {"type": "integer", "minimum": 1, "description": "First line to read (1-based)."},
              "limit": {"type": "integer", "minimum": 1, "description": "Number of lines to read."}},
-          "required": ["target_file"]}, read_file),
+          "required": ["target_file"]}, read_file, lambda a: Access(reads=(a.get("target_file"),))),
     Tool("list_dir", "List a directory of the workspace (directories first).",
          {"type": "object", "properties": {
              "target_directory": {"type": "string", "description": "Directory relative to the workspace root."},
              "ignore_globs": {"type": "array", "items": {"type": "string"}, "description": "Names to hide."}},
-          "required": []}, list_dir),
+          "required": []}, list_dir, lambda a: Access(reads=(a.get("target_directory") or ".",))),
     Tool("glob_file_search", "Find files by glob pattern (e.g. '*.py', 'src/**/test_*.py'), respecting "
          ".gitignore.",
          {"type": "object", "properties": {
              "glob_pattern": {"type": "string"},
              "target_directory": {"type": "string", "description": "Where to search (default: workspace root)."}},
-          "required": ["glob_pattern"]}, glob_file_search),
+          "required": ["glob_pattern"]}, glob_file_search,
+         lambda a: Access(reads=(a.get("target_directory") or ".",))),
     Tool("write_file", "Create or overwrite a file with the given contents.",
          {"type": "object", "properties": {
              "file_path": {"type": "string"}, "contents": {"type": "string", "allow_empty": True}},
-          "required": ["file_path", "contents"]}, write_file),
+          "required": ["file_path", "contents"]}, write_file, lambda a: Access(writes=(a.get("file_path"),))),
     Tool("delete_file", "Delete a file.",
          {"type": "object", "properties": {"target_file": {"type": "string"}}, "required": ["target_file"]},
-         delete_file),
+         delete_file, lambda a: Access(writes=(a.get("target_file"),))),
     Tool("search_replace", "Replace an exact string in a file. old_string must occur exactly once unless "
          "replace_all is true; include enough surrounding lines to make it unique. An empty old_string "
          "creates a new file.",
@@ -166,5 +168,6 @@ TOOLS = [
              "old_string": {"type": "string", "allow_empty": True},
              "new_string": {"type": "string", "allow_empty": True},
              "replace_all": {"type": "boolean"}},
-          "required": ["file_path", "old_string", "new_string"]}, search_replace),
+          "required": ["file_path", "old_string", "new_string"]}, search_replace,
+         lambda a: Access(writes=(a.get("file_path"),))),
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from opencomposer.harness.schedule import Access
 from opencomposer.harness.tools.base import Tool, ToolContext, ToolError
 from opencomposer.harness.tools.files import _rg
 
@@ -71,12 +72,13 @@ TOOLS = [
              "case_insensitive": {"type": "boolean"},
              "multiline": {"type": "boolean"},
              "head_limit": {"type": "integer", "minimum": 1}},
-          "required": ["pattern"]}, grep),
+          "required": ["pattern"]}, grep, lambda a: Access(reads=(a.get("path") or ".",))),
     Tool("codebase_search", "Find code relevant to a natural-language or identifier query, ranked by relevance. "
          "Use it to locate where something is implemented before reading files.",
          {"type": "object", "properties": {
              "query": {"type": "string"},
              "target_directories": {"type": "array", "items": {"type": "string"}},
              "max_results": {"type": "integer", "minimum": 1}},
-          "required": ["query"]}, codebase_search),
+          "required": ["query"]}, codebase_search,
+         lambda a: Access(reads=tuple(a.get("target_directories") or ["."]))),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from opencomposer.harness.schedule import BARRIER, Access
 from opencomposer.harness.tools.base import Tool, ToolContext, ToolError
 
 
@@ -54,6 +55,8 @@ def read_lints(ctx: ToolContext, a: dict) -> str:
     return "\n".join(lines)
 
 
+TODOS = ":todos"
+"""Not a path: the agent's todo list, which todo_write calls change in order."""
 STATUSES = ["pending", "in_progress", "completed", "cancelled"]
 
 
@@ -90,15 +93,15 @@ TOOLS = [
              "command": {"type": "string"},
              "is_background": {"type": "boolean"},
              "timeout_s": {"type": "number", "minimum": 1}},
-          "required": ["command"]}, run_terminal_cmd),
+          "required": ["command"]}, run_terminal_cmd, lambda a: BARRIER),
     Tool("read_lints", "Show linter errors (ruff) for files or directories.",
          {"type": "object", "properties": {"paths": {"type": "array", "items": {"type": "string"}}},
-          "required": []}, read_lints),
+          "required": []}, read_lints, lambda a: Access(reads=tuple(a.get("paths") or ["."]))),
     Tool("todo_write", "Create or update the task's todo list. With merge=true, items update by id.",
          {"type": "object", "properties": {
              "todos": {"type": "array", "items": {"type": "object", "properties": {
                  "id": {"type": "string"}, "content": {"type": "string"},
                  "status": {"type": "string", "enum": STATUSES}}, "required": ["id"]}},
              "merge": {"type": "boolean"}},
-          "required": ["todos"]}, todo_write),
+          "required": ["todos"]}, todo_write, lambda a: Access(writes=(TODOS,))),
 ]
