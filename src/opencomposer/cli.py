@@ -230,35 +230,115 @@ def cmd_tasks_build_git(ns: argparse.Namespace, extra: list[str]) -> int:
     return _keep_gated(made, f"validated tasks in {out}")
 
 
-def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
-    from opencomposer.tasks.builders import importers
+def _read_instances(path: Path) -> list[dict]:
+    """Published instance files: JSONL (one object a line) or one JSON array."""
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        data = json.loads(text)
+    else:
+        data = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    data.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: {path}:{i}: not JSON ({e.msg}); expected one instance object a line")
+    if not all(isinstance(d, dict) for d in data):
+        raise SystemExit(f"error: {path}: expected instance objects")
+    return data
 
+
+def cmd_tasks_import(ns: argparse.Namespace, extra: list[str]) -> int:
+    import dataclasses
+    import shutil
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from opencomposer.core.config import load_config
+    from opencomposer.tasks import gates
+    from opencomposer.tasks.builders import importers
+    from opencomposer.tasks.builders.harbor import import_harbor
+    from opencomposer.tasks.environment import EnvBuildError
+
+    cfg = load_config(importers.ImportConfig, ns.config, _overrides(ns, extra))
+    env = dict(cfg.env)
+    for kv in ns.env or []:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            print(f"error: --env {kv!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        env[k] = v
+    changes = {"env": env}
+    if ns.workdir:
+        changes["workdir"] = ns.workdir
+    if ns.setup:
+        changes["setup"] = (*cfg.setup, *ns.setup)
+    if ns.test_cmd:
+        changes["test_cmd"] = ns.test_cmd
+    if ns.requirement:
+        changes["requirements"] = (*(cfg.requirements or ()), *ns.requirement)
+    if ns.derive_tests:
+        changes["derive_tests"] = True
+    cfg = dataclasses.replace(cfg, **changes)
     out = Path(ns.out)
-    made = []
+    rows: list[tuple[str, str, str, str]] = []  # (source item, task id, result, reason)
+
+    def attempt(label: str, fn) -> None:
+        try:
+            root = fn()
+        except (importers.ImportRejected, EnvBuildError, KeyError) as e:
+            rows.append((label, "", "rejected", f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)))
+            return
+        failed = [g for g in gates.validate(root) if not g.ok]
+        if not failed:
+            rows.append((label, root.name, "accepted", ""))
+            return
+        rows.append((label, root.name, "rejected", gates.describe(failed)))
+        if ns.keep_rejected:
+            dest = out / ".rejected" / root.name
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(root), dest)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
     if ns.kind == "harbor":
         for d in map(Path, ns.sources):
+            if not d.is_dir():
+                print(f"error: {d}: no such folder", file=sys.stderr)
+                return 2
             dirs = [d] if (d / "instruction.md").exists() else sorted(p for p in d.iterdir() if (p / "instruction.md").exists())
+            if not dirs:
+                print(f"error: {d}: no Harbor task folders (with instruction.md) in it", file=sys.stderr)
+                return 2
             for t in dirs:
-                try:
-                    made.append(importers.import_harbor(t, out))
-                except ValueError as e:
-                    print(f"skipped {t}: {e}", file=sys.stderr)
+                attempt(t.name, lambda t=t: import_harbor(t, out, cfg))
     else:
         if not ns.instances:
-            print("error: --instances FILE.jsonl is required", file=sys.stderr)
+            print("error: --instances FILE (JSONL or a JSON array of published instances) is required", file=sys.stderr)
             return 2
-        for line in Path(ns.instances).read_text().splitlines():
-            if not line.strip():
-                continue
-            inst = json.loads(line)
-            try:
-                if ns.kind == "swebench":
-                    made.append(importers.import_swebench(inst, ns.sources[0], out, workdir=ns.workdir))
-                else:
-                    made.append(importers.import_swesmith(ns.sources[0], inst, out, workdir=ns.workdir))
-            except (ValueError, KeyError) as e:
-                print(f"skipped {inst.get('instance_id')}: {e}", file=sys.stderr)
-    return _keep_gated(made, f"of {len(made)} imported tasks passed the gates; in {out}")
+        src = Path(ns.sources[0])
+        if not (src / ".git").exists() and not (src / "HEAD").exists():
+            print(f"error: {src}: not a git repository ({'the checkout' if ns.kind == 'swebench' else 'the mirror'})",
+                  file=sys.stderr)
+            return 2
+        for inst in _read_instances(Path(ns.instances)):
+            label = str(inst.get("instance_id", "?"))
+            if ns.kind == "swebench":
+                attempt(label, lambda inst=inst: importers.import_swebench(inst, src, out, cfg))
+            else:
+                attempt(label, lambda inst=inst: importers.import_swesmith(src, inst, out, cfg, main=ns.main))
+    table = Table(title=f"tasks import {ns.kind} -> {out}")
+    for col in ("source", "task", "result", "reason"):
+        table.add_column(col, overflow="fold")
+    for label, tid, result, reason in rows:
+        table.add_row(label, tid, "[green]accepted[/]" if result == "accepted" else "[red]rejected[/]", reason[:600])
+    Console(width=160).print(table)
+    kept = sum(r[2] == "accepted" for r in rows)
+    print(f"{kept} of {len(rows)} accepted" + (f"; rejected tasks kept in {out / '.rejected'}" if ns.keep_rejected
+                                              and kept < len(rows) else ""))
+    return 0 if kept else 1
 
 
 def cmd_tasks_validate(ns: argparse.Namespace, extra: list[str]) -> int:
@@ -519,8 +599,18 @@ def build_parser() -> argparse.ArgumentParser:
     im = tk.add_parser("import", help="import Harbor/Terminal-Bench folders, SWE-bench instances, SWE-smith mirrors")
     im.add_argument("kind", choices=["harbor", "swebench", "swesmith"])
     im.add_argument("sources", nargs="+", help="harbor: task folders; swebench: the repo checkout; swesmith: the mirror")
-    im.add_argument("--instances", help="JSONL of instances (swebench, swesmith)")
-    im.add_argument("--workdir", default="/testbed", help="absolute path the tests expect (swebench, swesmith)")
+    im.add_argument("--instances", help="published instances: JSONL or a JSON array (swebench, swesmith)")
+    im.add_argument("--workdir", help="absolute path the tests expect (swebench, swesmith; default /testbed)")
+    im.add_argument("--env", action="append", metavar="K=V", help="environment variable for agent and verifier")
+    im.add_argument("--setup", action="append", metavar="CMD", help="command run before the agent and grading")
+    im.add_argument("--test-cmd", metavar="CMD", help="verifier command ({junit}: report path, {tests}: test files)")
+    im.add_argument("--requirement", action="append", metavar="REQ",
+                    help="package for the task environment (default: the repository's declared dependencies)")
+    im.add_argument("--derive-tests", action="store_true",
+                    help="swesmith: derive FAIL_TO_PASS/PASS_TO_PASS by running the suite at both revisions")
+    im.add_argument("--main", help="swesmith: the mirror's clean branch (default main, else master)")
+    im.add_argument("--keep-rejected", action="store_true", help="keep rejected tasks in OUT/.rejected")
+    im.add_argument("-c", "--config", help="TOML with ImportConfig fields (workdir, env, setup, test_cmd, ...)")
     im.add_argument("--out", required=True)
     im.set_defaults(fn=cmd_tasks_import)
     va = tk.add_parser("validate", help="run the integrity gates on tasks or datasets")

@@ -26,7 +26,7 @@ def built(tmp_path_factory):
 @pytest.fixture
 def task_dir(built, tmp_path):
     """A private copy of one built deletion task, to plant leaks in."""
-    src = next(p for p in built if "-delete-" in p.name)
+    src = next(p for p in built if "delete" in Task.load(p).spec.tags)
     dst = tmp_path / src.name
     shutil.copytree(src, dst, symlinks=True)
     return dst
@@ -193,3 +193,25 @@ def test_gate_catches_flaky_tests(task_dir):
     (task_dir / "task.toml").write_text(toml)
     res = {g.name: g for g in gates.validate(task_dir)}
     assert not res["deterministic"].ok and "flaky" in res["deterministic"].detail
+
+
+def test_deleting_the_stdlib_named_module_does_not_pass(built, tmp_path):
+    """colorsys is also in the interpreter's standard library: a "fix" that deletes the workspace's
+    copy must fail, not pass against the stdlib's (the runner's --local check)."""
+    src = next(p for p in built if "mutate" in Task.load(p).spec.tags)
+    t = Task.load(src)
+    assert "--local colorsys" in t.spec.verifier.command
+    delete = ("diff --git a/colorsys.py b/colorsys.py\ndeleted file mode 100644\n--- a/colorsys.py\n+++ /dev/null\n"
+              + "@@ -1,%d +0,0 @@\n" % len((t.repo / "colorsys.py").read_text().splitlines())
+              + "".join(f"-{ln}\n" for ln in (t.repo / "colorsys.py").read_text().splitlines()))
+    res = grade_patch(t, delete)
+    assert not res.passed and res.status == "failed", res
+    # The control: the same command without the check passes the deletion (the leak is real).
+    import dataclasses
+
+    dst = tmp_path / "nocheck"
+    shutil.copytree(src, dst, symlinks=True)
+    spec = dataclasses.replace(t.spec, verifier=dataclasses.replace(
+        t.spec.verifier, command=t.spec.verifier.command.replace("--local colorsys ", "")))
+    Task.write_spec(dst, spec)
+    assert grade_patch(Task.load(dst), delete).passed

@@ -85,6 +85,12 @@ class SandboxConfig:
     path they expect (`hidden/tests:/tests`), or a folder the verifier writes a reward into."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for every command."""
+    python_env: str | None = None
+    """A Python environment folder (a virtualenv; tasks/environment.py builds one per repository)
+    that is the sandbox's only Python installation: bound read-only at its own path, first on PATH.
+    The harness's own virtualenv is then not visible, the base interpreter's site-packages are
+    masked, and the tools' binaries (rg, ruff) come in alone. None: the harness's interpreter and
+    venv are visible (`sandbox run` and `agent` on your own repository)."""
     default_timeout_s: float = 120.0
     output_limit_bytes: int = 1 << 20
     """Per stream: stdout and stderr each keep their first and last half of this many bytes."""

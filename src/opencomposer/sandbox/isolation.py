@@ -64,18 +64,32 @@ def bwrap_version() -> str:
     return out.stdout.strip() or out.stderr.strip()
 
 
-def python_paths() -> list[str]:
-    """Host folders the sandbox needs to run this Python (the interpreter install and the venv)."""
-    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
-    exe_dir = os.path.dirname(os.path.realpath(sys.executable))
-    paths.add(os.path.dirname(exe_dir))
+def python_paths(harness_venv: bool = True) -> list[str]:
+    """Host folders the sandbox needs to run this Python: the interpreter install, and (unless a
+    task environment replaces it) the harness's venv."""
+    paths = {os.path.realpath(sys.base_prefix)}
+    if harness_venv:
+        paths.add(os.path.realpath(sys.prefix))
+        exe_dir = os.path.dirname(os.path.realpath(sys.executable))
+        paths.add(os.path.dirname(exe_dir))
     # Drop folders already covered by /usr and nested duplicates.
     paths = {p for p in paths if not (p == "/usr" or p.startswith("/usr/"))}
     return sorted(p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths))
 
 
+def base_interpreter() -> str:
+    """The base interpreter behind the harness's venv: what runs the tool server (with -S -I it
+    needs no site-packages) where the venv is not visible."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+TOOL_BIN = "/opt/opencomposer/bin"
+TOOL_BINARIES = ("rg", "ruff")
+"""The harness tools' own programs, bound alone (not the venv that holds them) at TOOL_BIN."""
+
+
 @functools.cache
-def _system_args() -> tuple[str, ...]:
+def _system_args(harness_venv: bool = True) -> tuple[str, ...]:
     args: list[str] = []
     for p in ("/usr", "/etc"):
         if os.path.isdir(p):
@@ -85,24 +99,42 @@ def _system_args() -> tuple[str, ...]:
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
-    for p in python_paths():
+    for p in python_paths(harness_venv):
         args += ["--ro-bind", p, p]
+    if not harness_venv:
+        # The base interpreter's own site-packages (pip installs there too) are hidden: a task
+        # environment is the only place packages come from.
+        base = os.path.realpath(sys.base_prefix)
+        for sp in {os.path.realpath(p) for p in site_dirs(base)}:
+            if os.path.isdir(sp) and not sp.startswith("/usr/"):
+                args += ["--tmpfs", sp]
+        venv_bin = os.path.join(sys.prefix, "bin")
+        for name in TOOL_BINARIES:
+            found = shutil.which(name, path=f"{venv_bin}:{os.environ.get('PATH', '')}")
+            if found:
+                args += ["--ro-bind", os.path.realpath(found), f"{TOOL_BIN}/{name}"]
     for secret in (*SECRET_FILES, *glob.glob("/etc/ssh/ssh_host_*key")):
         if os.path.isfile(secret):
             args += ["--ro-bind", "/dev/null", secret]
     return tuple(args)
 
 
-def system_args() -> list[str]:
+def site_dirs(prefix: str) -> list[str]:
+    import sysconfig
+
+    return [sysconfig.get_path(k, vars={"base": prefix, "platbase": prefix}) for k in ("purelib", "platlib")]
+
+
+def system_args(harness_venv: bool = True) -> list[str]:
     """Binds that make the host's system folders and this Python visible read-only (cached: the
     host's layout does not change under a running process)."""
-    return list(_system_args())
+    return list(_system_args(harness_venv))
 
 
 def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
-    venv_bin = os.path.join(sys.prefix, "bin")
+    first = f"{cfg.python_env}/bin:{TOOL_BIN}" if cfg.python_env else os.path.join(sys.prefix, "bin")
     env = {
-        "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": f"{first}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": "/tmp",
         "USER": "sandbox",
         "LANG": "C.UTF-8",
@@ -119,6 +151,8 @@ def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
         "GIT_CONFIG_KEY_0": "safe.directory",
         "GIT_CONFIG_VALUE_0": "*",
     }
+    if cfg.python_env:
+        env["VIRTUAL_ENV"] = cfg.python_env
     env.update(cfg.env)
     return env
 
@@ -141,8 +175,12 @@ def bwrap_argv(
         # /tmp first: binds below may live under the host's /tmp (a venv in a checkout there) and
         # must land on top of the private tmpfs, not under it.
         "--size", str(cfg.limits.tmp_mb << 20), "--tmpfs", "/tmp",
-        *system_args(),
+        *system_args(harness_venv=not cfg.python_env),
     ]
+    if cfg.python_env:
+        if not os.path.isfile(os.path.join(cfg.python_env, "pyvenv.cfg")):
+            raise SandboxError(f"python_env {cfg.python_env} is not a virtualenv (no pyvenv.cfg)")
+        argv += ["--ro-bind", cfg.python_env, cfg.python_env]
     for p in cfg.ro_binds:
         argv += ["--ro-bind", p, p]
     for src, dst in extra_ro:

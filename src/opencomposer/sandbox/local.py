@@ -239,7 +239,8 @@ class LocalSandbox:
                 "rlimits": self.config.limits.rlimits(),
                 "output_limit": self.config.output_limit_bytes,
             }
-            proc = self._spawn([sys.executable, "-S", "-I", isolation.TOOLSERVER_PATH, json.dumps(init)],
+            python = isolation.base_interpreter() if self.config.python_env else sys.executable
+            proc = self._spawn([python, "-S", "-I", isolation.TOOLSERVER_PATH, json.dumps(init)],
                                one_shot=False)
             try:
                 self._rpc = RpcClient(proc, ready_timeout_s=self.config.server_start_timeout_s, name=self.id)

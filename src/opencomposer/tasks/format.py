@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opencomposer.core.config import ConfigError, from_dict, to_dict
+from opencomposer.tasks.environment import EnvironmentSpec
 
 
 class TaskError(ValueError):
@@ -64,6 +66,10 @@ class TaskSpec:
     (SWE-bench images use /testbed, Harbor tasks /app)."""
     setup: tuple[str, ...] = ()
     """Commands run in the workspace before the agent starts (and before grading)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Environment variables for the agent's shell and the verifier (e.g. PYTHONPATH=/testbed/src)."""
+    environment: EnvironmentSpec = field(default_factory=EnvironmentSpec)
+    """The Python environment the repository needs (tasks/environment.py), built once and shared."""
     timeout_s: float = 1800.0
     memory_mb: int = 2048
     tags: tuple[str, ...] = ()
@@ -90,14 +96,17 @@ class Task:
         return self.root / "hidden"
 
     def sandbox_config(self, base=None):
-        """`base` (a SandboxConfig) with this task's workdir and memory limit."""
+        """`base` (a SandboxConfig) with this task's workdir, memory limit, environment variables and
+        Python environment (built on first use; tasks/environment.py)."""
         import dataclasses
 
         from opencomposer.sandbox.base import SandboxConfig
+        from opencomposer.tasks import environment
 
         base = base or SandboxConfig()
         limits = dataclasses.replace(base.limits, memory_mb=self.spec.memory_mb)
-        return dataclasses.replace(base, workdir=self.spec.workdir, limits=limits)
+        cfg = environment.sandbox_config(self.spec.environment, base, dict(self.spec.env))
+        return dataclasses.replace(cfg, workdir=self.spec.workdir, limits=limits)
 
     @property
     def reference_patch(self) -> str:
@@ -136,12 +145,16 @@ def dumps_toml(d: dict, prefix: str = "") -> str:
         if isinstance(v, dict):
             tables.append((k, v))
         elif v is not None:
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
     out = "\n".join(lines)
     for k, v in tables:
         name = f"{prefix}{k}"
         out += f"\n\n[{name}]\n" + dumps_toml(v, prefix=f"{name}.")
     return out.strip() + "\n"
+
+
+def _toml_key(k: str) -> str:
+    return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else json.dumps(k)
 
 
 def _toml_value(v) -> str:

@@ -47,7 +47,10 @@ def validate(task_dir: str | Path, *, run_tests: bool = True) -> list[GateResult
     if run_tests:
         with Workspace(task.repo, task.sandbox_config()) as ws:
             gold = grade_patch(task, task.reference_patch, ws)
-            out.append(GateResult("gold_passes", gold.passed, gold.detail or gold.status))
+            detail = gold.detail or gold.status
+            if not gold.passed and import_notes(task):
+                detail = f"{import_notes(task)}; {detail}"
+            out.append(GateResult("gold_passes", gold.passed, detail))
             noop = grade_patch(task, "", ws)
             out.append(GateResult("noop_fails", noop.status == "failed",
                                   f"noop status {noop.status}" + (f": {noop.detail}" if noop.passed else "")))
@@ -75,16 +78,31 @@ def keep_valid(paths: list[Path]) -> tuple[list[Path], list[tuple[Path, list[Gat
     return kept, rejected
 
 
+def import_notes(task: Task) -> str:
+    """What the importer noted about the task (e.g. "no solution"), if anything."""
+    import json
+
+    f = task.root / "import.json"
+    if not f.is_file():
+        return ""
+    try:
+        return "; ".join(str(v) for v in json.loads(f.read_text()).values())
+    except (ValueError, AttributeError):
+        return f"unreadable {f.name}"
+
+
 def describe(failed: list[GateResult]) -> str:
     return "; ".join(f"{g.name}: {g.detail}" for g in failed)
 
 
 def hidden_absent(task: Task) -> GateResult:
+    """By path where the verifier puts the hidden files (copied into the workspace, or mounted
+    elsewhere: Harbor's /tests), and by content anywhere in the repository."""
     hashes = {}
     for f in task.hidden.rglob("*"):
         if f.is_file():
             rel = f.relative_to(task.hidden)
-            if (task.repo / rel).exists():
+            if _in_workspace(task, rel) is not None and (task.repo / _in_workspace(task, rel)).exists():
                 return GateResult("hidden_absent", False, f"hidden file {rel} is present in repo/")
             data = f.read_bytes()
             if len(data) >= 64:  # tiny files (empty __init__.py) collide innocently
@@ -94,6 +112,22 @@ def hidden_absent(task: Task) -> GateResult:
             rel = hashes[hashlib.sha256(f.read_bytes()).hexdigest()]
             return GateResult("hidden_absent", False, f"{f.relative_to(task.repo)} is a copy of hidden {rel}")
     return GateResult("hidden_absent", True)
+
+
+def _in_workspace(task: Task, rel: Path) -> Path | None:
+    """Where hidden file `rel` lands in the workspace at grading time (None: outside it)."""
+    spec = task.spec.verifier
+    if spec.copy_hidden:
+        return rel
+    workdir = Path(task.spec.workdir)
+    for m in spec.mounts:
+        src, _, dst = m.partition(":")
+        dst = dst.split(":")[0]
+        src_rel = Path(src).relative_to("hidden") if Path(src).parts[:1] == ("hidden",) else None
+        if src_rel is not None and (src_rel == Path(".") or rel.is_relative_to(src_rel)):
+            target = Path(dst) / rel.relative_to(src_rel)
+            return target.relative_to(workdir) if target.is_relative_to(workdir) else None
+    return None
 
 
 def history(task: Task) -> GateResult:

@@ -177,8 +177,12 @@ def _reward_result(task: Task, reward_dir: Path | None, r, duration: float) -> G
     except (ValueError, TypeError, AttributeError):
         return GradeResult(task.id, "no_tests_ran", exit_code=r.exit_code, duration_s=duration,
                            detail=f"unreadable reward {text[:100]!r}")
+    detail = f"reward {reward}"
+    if reward < 1.0:  # what the verifier said, so a rejected import or a failed episode explains itself
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+        detail += f" (verifier exit {r.exit_code}{'; ' + r.killed_by if r.killed_by else ''}); verifier output: {tail}"
     return GradeResult(task.id, "passed" if reward >= 1.0 else "failed", exit_code=r.exit_code, duration_s=duration,
-                       detail=f"reward {reward}", tests_run=1, outcomes={"reward": str(reward)})
+                       detail=detail, tests_run=1, outcomes={"reward": str(reward)})
 
 
 def suite_outcomes(sb: LocalSandbox, hidden: Path, command: str, timeout_s: float = 600.0) -> dict[str, str]:

@@ -10,6 +10,7 @@ module at start-up (unittest itself imports several).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -70,6 +71,8 @@ def purge_workspace_modules(root: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--junit", required=True)
+    ap.add_argument("--local", action="append", default=[],
+                    help="a module the tests must import from the workspace (not a same-named stdlib one)")
     ap.add_argument("modules", nargs="+")
     args = ap.parse_args()
     root = os.getcwd()
@@ -77,7 +80,19 @@ def main() -> int:
     purge_workspace_modules(root)
     result = Recorder()
     loader = unittest.TestLoader()
-    for mod in args.modules:
+    # Code under test that shares its name with a standard-library module (the bundled benchmark
+    # copies stdlib modules into the workspace): deleting the workspace's copy must not let the
+    # tests pass against the interpreter's own.
+    for name in args.local:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = os.path.realpath(getattr(spec, "origin", None) or "")
+        if not origin.startswith(os.path.realpath(root) + os.sep):
+            result.records.append((name, "<workspace>", "error", 0.0,
+                                   f"{name} is not imported from the workspace ({origin or 'not found'})"))
+    for mod in args.modules if not result.records else []:
         try:
             suite = loader.loadTestsFromName(mod)
         except Exception as e:  # noqa: BLE001 - an import error is a test error, recorded as such

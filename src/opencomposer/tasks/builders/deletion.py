@@ -30,6 +30,8 @@ from pathlib import Path
 from opencomposer.sandbox.base import SandboxConfig
 from opencomposer.sandbox.local import Workspace
 from opencomposer.tasks import run_tests
+from opencomposer.tasks import environment
+from opencomposer.tasks.environment import EnvironmentSpec
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
 from opencomposer.tasks.grade import suite_outcomes
 from opencomposer.tasks.patch import diff_dirs, init_single_commit_repo, patch_stats
@@ -52,7 +54,9 @@ class CodeSource:
     """Verifier command; default: our unittest runner over `test_modules` with a JUnit report."""
 
     def verifier_command(self) -> str:
-        return self.command or f"python {RUNNER} --junit {{junit}} " + " ".join(self.test_modules)
+        local = sorted({rel.split("/")[0].removesuffix(".py") for rel in self.code if rel.endswith(".py")})
+        return self.command or f"python {RUNNER} --junit {{junit}} " + "".join(f"--local {m} " for m in local) \
+            + " ".join(self.test_modules)
 
 
 @dataclass
@@ -228,6 +232,8 @@ def build_tasks(source: CodeSource, out_dir: Path, cfg: BuildConfig = BuildConfi
     (Run `gates.validate` on each to prove it; the default-benchmark builder does.)"""
     rng = random.Random(f"{source.name}-{cfg.seed}")
     say = progress or (lambda msg: None)
+    # Measured in the environment the tasks will be graded in (the default one: tasks/environment.py).
+    sandbox = environment.sandbox_config(EnvironmentSpec(), sandbox)
     made: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="oc-build-") as tmp:
         code, hidden = stage(source, Path(tmp))
@@ -340,7 +346,8 @@ def _write_task(source: CodeSource, out_dir: Path, code: Path, hidden: Path, gro
     c = combo or group[0]
     changes = {c.file: c.new_text, **{e.file: e.new_text for e in c.extra}}
     key = hashlib.sha1("|".join(sorted(f"{g.kind}:{g.file}:{g.qualname}:{g.mutation}" for g in group)).encode())
-    tid = f"{source.name}-{c.kind if combo is None else 'multi'}-{key.hexdigest()[:8]}"
+    # Neutral: the id shows in mount paths inside the sandbox, so it names no builder or mutation.
+    tid = f"{source.name}-{key.hexdigest()[:10]}"
     root = out_dir / tid
     if root.exists():
         shutil.rmtree(root)

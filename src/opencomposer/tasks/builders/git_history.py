@@ -21,6 +21,8 @@ from pathlib import Path
 
 from opencomposer.sandbox.base import SandboxConfig
 from opencomposer.sandbox.local import Workspace
+from opencomposer.tasks import environment
+from opencomposer.tasks.environment import EnvironmentSpec, declared_requirements
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
 from opencomposer.tasks.grade import suite_outcomes
 from opencomposer.tasks.patch import git, init_single_commit_repo, patch_stats
@@ -112,8 +114,10 @@ def build_from_git(repo: str | Path, out_dir: Path, cfg: GitHistoryConfig = GitH
             if not present:
                 continue
             command = cfg.test_command.format(junit="{junit}", tests=" ".join(present))
-            pre = _outcomes(before, hidden, command, sandbox, cfg.timeout_s)
-            post = _outcomes(after, hidden, command, sandbox, cfg.timeout_s)
+            env_spec = EnvironmentSpec(requirements=declared_requirements(before))
+            box = environment.sandbox_config(env_spec, sandbox)
+            pre = _outcomes(before, hidden, command, box, cfg.timeout_s)
+            post = _outcomes(after, hidden, command, box, cfg.timeout_s)
             f2p = tuple(sorted(t for t, o in post.items() if o == "passed" and pre.get(t) != "passed"))
             p2p = tuple(sorted(t for t, o in post.items() if o == "passed" and pre.get(t) == "passed"))
             if not f2p:
@@ -137,7 +141,7 @@ def build_from_git(repo: str | Path, out_dir: Path, cfg: GitHistoryConfig = GitH
             files, lines = patch_stats(patch)
             category = "bug_fix" if re.search(r"\b(fix|bug|error|crash|wrong|regression)", subject, re.I) else "feature"
             Task.write_spec(root, TaskSpec(
-                id=tid, category=category, source=f"git:{repo.name}@{sha}", base_revision=base,
+                id=tid, category=category, source=f"git:{repo.name}@{sha}", base_revision=base, environment=env_spec,
                 tags=("git-history",), verifier=VerifierSpec(command=command, fail_to_pass=f2p, pass_to_pass=p2p),
                 stats=TaskStats(prompt_chars=len(prompt), files_changed=files, lines_changed=lines)))
             made.append(root)
