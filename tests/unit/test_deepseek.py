@@ -198,7 +198,8 @@ def test_mtp_heads_are_causal_and_shaped():
         again = model.run(changed, mtp=True).mtp_logits[0]
     # position i combines hidden state i with token i+1: changing token 6 leaves positions 0..4 alone
     diff = (again - out.mtp_logits[0]).abs().amax(-1)[0]
-    assert (diff[:5] == 0).all() and (diff[5:] > 0).all()
+    # Not exactly 0: another token's change regroups the expert batches, so float sums reorder (~1e-7).
+    assert (diff[:5] < 1e-5).all() and (diff[5:] > 1e-3).all()
 
 
 def test_bad_folders_and_configs(tmp_path):

@@ -90,6 +90,8 @@ class Agent:
         system = prompt.system_message(self.sandbox.config.workdir, rules)
         messages = [system, prompt.task_message(task, recent=recent, history=history)]
         schemas = self.toolset.schemas()
+        traj.extra["tools"] = schemas  # what every call of every segment was rendered with (SFT reads it)
+        self._schemas = schemas
         seg = Segment(0)
         t0 = time.monotonic()
         context_tokens = self._estimate(messages)
@@ -191,7 +193,10 @@ class Agent:
         summary = None
         if mode == "self":
             messages = messages + [{"role": "user", "content": prompt.SUMMARIZE_PROMPT}]
-            comp = self._call(messages, [], traj, seg)
+            # The same tools as the segment's other calls: the summary's prompt then extends the
+            # segment's prompts token for token (one trainable sequence, prefix-cache hits), and
+            # SFT renders the segment with one tool list. Tool calls in the answer are ignored.
+            comp = self._call(messages, self._schemas, traj, seg)
             if comp is not None:
                 messages.append(comp.to_message())
                 summary = prompt.extract_summary(comp.content)

@@ -3,8 +3,10 @@
 It works unchanged against our inference server, vLLM, SGLang and hosted APIs. What RL needs beyond
 text is taken from the response when present:
 
-- our server: `choices[i].opencomposer = {"token_ids", "logprobs", "policy_versions", "routed_experts"}`
-  (a namespaced extension field);
+- our server: `choices[i].opencomposer = {"token_ids", "prompt_token_ids", "logprobs", "policy_versions",
+  "routed_experts"}` (a namespaced extension field). Once a server has answered with it, assistant
+  turns are sent back with their sampled ids (`opencomposer.token_ids`), so the server renders
+  them as sampled and every prompt extends the previous prompt plus completion;
 - vLLM: `choices[i].token_ids` when the request asks `return_token_ids` (set `vllm_token_ids=True`);
 - any server: `choices[i].logprobs.content[*].logprob` when `logprobs=True`.
 """
@@ -28,6 +30,8 @@ class OpenAIPolicyConfig:
     """Environment variable holding the API key (local servers accept any value)."""
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int | None = None
+    """Sent as `top_k` (our server, vLLM, SGLang); None leaves it to the server (no top-k)."""
     max_tokens: int = 4096
     timeout_s: float = 600.0
     max_retries: int = 2
@@ -47,6 +51,7 @@ class OpenAIPolicy:
 
         self.config = dataclasses.replace(config or OpenAIPolicyConfig(), **overrides)
         self.name = self.config.model
+        self._extension_server = False
         self._client = openai.OpenAI(
             base_url=self.config.base_url,
             api_key=os.environ.get(self.config.api_key_env) or "EMPTY",
@@ -55,17 +60,25 @@ class OpenAIPolicy:
         )
 
     def complete(self, messages: Sequence[dict], tools: Sequence[dict]) -> Completion:
+        return self.complete_n(messages, tools, 1)[0]
+
+    def complete_n(self, messages: Sequence[dict], tools: Sequence[dict], n: int) -> list[Completion]:
+        """`n` samples of one prompt in one request (every choice, each with its own ids)."""
         import openai
 
         cfg = self.config
-        kwargs: dict[str, Any] = dict(model=cfg.model, messages=list(messages), temperature=cfg.temperature,
+        kwargs: dict[str, Any] = dict(model=cfg.model, messages=self._outgoing(messages), temperature=cfg.temperature,
                                       top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+        if n != 1:
+            kwargs["n"] = n
         if tools:
             kwargs["tools"] = list(tools)
             kwargs["parallel_tool_calls"] = cfg.parallel_tool_calls
         if cfg.logprobs:
             kwargs["logprobs"] = True
         extra = dict(cfg.extra_body)
+        if cfg.top_k is not None:
+            extra["top_k"] = cfg.top_k
         if cfg.vllm_token_ids:
             extra["return_token_ids"] = True
         if extra:
@@ -78,25 +91,39 @@ class OpenAIPolicy:
         latency = time.perf_counter() - t
         if not resp.choices:
             raise PolicyError(f"{cfg.base_url}: response without choices")
-        return self._parse(resp, latency)
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": extra.get("top_k", 0),
+                    "max_tokens": cfg.max_tokens, **{k: extra[k] for k in ("seed", "min_p") if k in extra}}
+        return [self._parse(resp, choice, latency, sampling) for choice in sorted(resp.choices, key=lambda c: c.index)]
 
-    def _parse(self, resp: Any, latency: float) -> Completion:
-        choice = resp.choices[0]
+    def _outgoing(self, messages: Sequence[dict]) -> list[dict]:
+        """Messages as sent: our `opencomposer` field on assistant turns (their sampled ids) goes
+        only to a server that has shown it speaks the extension."""
+        if self._extension_server:
+            return list(messages)
+        return [{k: v for k, v in m.items() if k != "opencomposer"} if "opencomposer" in m else m for m in messages]
+
+    def _parse(self, resp: Any, choice: Any, latency: float, sampling: dict) -> Completion:
         msg = choice.message
         calls = tuple(
             ToolCall(tc.id or new_call_id(), tc.function.name, tc.function.arguments or "")
             for tc in (msg.tool_calls or [])
         )
-        usage = Usage(getattr(resp.usage, "prompt_tokens", 0) or 0, getattr(resp.usage, "completion_tokens", 0) or 0)
+        n = max(1, len(resp.choices))
+        completion_tokens = getattr(resp.usage, "completion_tokens", 0) or 0
         logprobs = None
         if getattr(choice, "logprobs", None) is not None and getattr(choice.logprobs, "content", None):
             logprobs = [t.logprob for t in choice.logprobs.content]
         extra = (choice.model_extra or {}) if hasattr(choice, "model_extra") else {}
         ours = extra.get("opencomposer") or {}
+        if ours:
+            self._extension_server = True
         token_ids = ours.get("token_ids") or extra.get("token_ids")
+        prompt_ids = ours.get("prompt_token_ids") or (getattr(resp, "model_extra", None) or {}).get("prompt_token_ids")
         if ours.get("logprobs") is not None:
             logprobs = ours["logprobs"]
-        cost = (usage.prompt_tokens * self.config.price_per_mtok_in
+        own = len(token_ids) if token_ids is not None else completion_tokens // n
+        usage = Usage(getattr(resp.usage, "prompt_tokens", 0) or 0, own)
+        cost = (usage.prompt_tokens / n * self.config.price_per_mtok_in
                 + usage.completion_tokens * self.config.price_per_mtok_out) / 1e6
         return Completion(
             content=msg.content,
@@ -110,6 +137,8 @@ class OpenAIPolicy:
             logprobs=logprobs,
             policy_versions=ours.get("policy_versions"),
             routed_experts=ours.get("routed_experts"),
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
         )
 
 

@@ -53,15 +53,25 @@ class Completion:
     latency_s: float = 0.0
     cost_usd: float = 0.0
     token_ids: list[int] | None = None
+    """The sampled ids, exactly as the sampler produced them (with the end-of-turn id if it stopped on one)."""
     logprobs: list[float] | None = None
     policy_versions: list[int] | None = None
     routed_experts: Any = None
     """Per token, per MoE layer, the expert indices the sampler used (for router replay)."""
+    prompt_token_ids: list[int] | None = None
+    """The ids the sampler was conditioned on (the server's rendering of the messages)."""
+    sampling: dict | None = None
+    """The sampling parameters the logprobs were taken under: temperature, top_p, top_k, max_tokens."""
 
     def to_message(self) -> dict:
         msg: dict = {"role": "assistant", "content": self.content}
         if self.tool_calls:
             msg["tool_calls"] = [tc.to_message() for tc in self.tool_calls]
+        if self.token_ids is not None:
+            # Our server renders this turn from these ids, not from the re-serialised text, so the
+            # next prompt extends this one token for token (tokenizer/chat.py; other servers never
+            # see the field: OpenAIPolicy sends it only to servers that return it).
+            msg["opencomposer"] = {"token_ids": list(self.token_ids)}
         return msg
 
     def to_dict(self) -> dict:

@@ -90,16 +90,36 @@ class Trajectory:
         return cls(**d)
 
     def save(self, path: str | Path) -> Path:
+        """`path` (JSON) plus, when there are token-level arrays, `<stem>.tokens.safetensors` beside it:
+        prompt and completion ids, logprobs, policy versions and routed experts as typed arrays
+        (routed experts at Kimi-K2 scale are millions of ints per turn: as indented JSON that is
+        gigabytes). The JSON refers to each array by key; both files are replaced atomically,
+        arrays first."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
+        d = self.to_dict()
+        arrays = _offload(d)
+        side = tokens_path(p)
+        if arrays:
+            from safetensors.numpy import save_file
+
+            tmp_side = side.with_name(side.name + ".tmp")
+            save_file(arrays, str(tmp_side))
+            tmp_side.replace(side)
         tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.write_text(json.dumps(d, indent=1))
         tmp.replace(p)
         return p
 
     @classmethod
     def load(cls, path: str | Path) -> "Trajectory":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise TrajectoryError(f"{p}: not JSON ({e})") from None
+        _restore(d, tokens_path(p))
+        return cls.from_dict(d)
 
     def to_atif(self, agent_name: str = "opencomposer", agent_version: str = "0.1.0") -> dict:
         """Harbor ATIF v1.4: user/agent/system steps; agent steps carry tool calls, observations and
@@ -162,6 +182,86 @@ class Trajectory:
             "extra": {"stop_reason": self.stop_reason, "tool_errors": self.tool_errors,
                       "summaries": len(self.summaries)},
         }
+
+
+class TrajectoryError(ValueError):
+    """A trajectory file (or its token arrays) is missing, corrupt or inconsistent."""
+
+
+ARRAY_FIELDS = ("prompt_token_ids", "token_ids", "logprobs", "policy_versions", "routed_experts")
+
+
+def tokens_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".json") + ".tokens.safetensors")
+
+
+def _as_array(key: str, value):
+    import numpy as np
+
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # ragged: stays in the JSON
+        return None
+    if arr.dtype == object or arr.size == 0:
+        return None
+    if key == "logprobs":
+        lossless = np.array_equal(arr.astype(np.float32).astype(np.float64), arr.astype(np.float64))
+        return arr.astype(np.float32 if lossless else np.float64)
+    if arr.dtype.kind not in "iu":
+        return None
+    narrow = np.int16 if key == "routed_experts" and arr.min() >= -32768 and arr.max() < 32768 else np.int32
+    return arr.astype(narrow) if arr.min() >= np.iinfo(narrow).min and arr.max() <= np.iinfo(narrow).max \
+        else arr.astype(np.int64)
+
+
+def _offload(d: dict) -> dict:
+    """Move token-level lists out of `d` (in place) into named arrays; leave {"array": key}."""
+    arrays = {}
+    for si, seg in enumerate(d.get("segments", [])):
+        for ci, comp in enumerate(seg.get("completions", [])):
+            for f in ARRAY_FIELDS:
+                if isinstance(comp.get(f), list):
+                    key = f"s{si}.c{ci}.{f}"
+                    arr = _as_array(f, comp[f])
+                    if arr is not None:
+                        arrays[key] = arr
+                        comp[f] = {"array": key}
+        for mi, m in enumerate(seg.get("messages", [])):
+            ext = m.get("opencomposer") if isinstance(m, dict) else None
+            if isinstance(ext, dict) and isinstance(ext.get("token_ids"), list):
+                key = f"s{si}.m{mi}.token_ids"
+                arr = _as_array("token_ids", ext["token_ids"])
+                if arr is not None:
+                    arrays[key] = arr
+                    m["opencomposer"] = {**ext, "token_ids": {"array": key}}
+    return arrays
+
+
+def _restore(d: dict, side: Path) -> None:
+    refs = []
+    for seg in d.get("segments", []):
+        for comp in seg.get("completions", []):
+            refs += [(comp, f) for f in ARRAY_FIELDS if isinstance(comp.get(f), dict) and "array" in comp[f]]
+        for m in seg.get("messages", []):
+            ext = m.get("opencomposer") if isinstance(m, dict) else None
+            if isinstance(ext, dict) and isinstance(ext.get("token_ids"), dict):
+                refs.append((ext, "token_ids"))
+    if not refs:
+        return
+    if not side.is_file():
+        raise TrajectoryError(f"{side}: missing (the trajectory's token arrays are stored there)")
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        arrays = load_file(str(side))
+    except (SafetensorError, OSError) as e:
+        raise TrajectoryError(f"{side}: unreadable token arrays ({e})") from None
+    for holder, f in refs:
+        key = holder[f]["array"]
+        if key not in arrays:
+            raise TrajectoryError(f"{side}: no array {key!r} (the JSON and its arrays do not belong together)")
+        holder[f] = arrays[key].tolist()
 
 
 def _args(raw: str) -> Any:

@@ -40,6 +40,25 @@ class Tokenizer:
         enc = self.backend.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
 
+    def encode_plain(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and offsets of `text` as plain text: a special token's literal (`<|im_end|>`) in it
+        becomes ordinary bytes, never the control id. For text that comes from tools, files and
+        users (the chat renderer)."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            from tokenizers import Tokenizer as Backend
+
+            # A copy, not a flag flipped on the shared backend: other threads encode with it.
+            plain = Backend.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self.__dict__["_plain"] = plain
+        enc = plain.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def added_tokens(self) -> dict[str, int]:
+        """Added tokens (specials and other atomic tokens) by their text."""
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

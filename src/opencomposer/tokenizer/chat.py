@@ -68,26 +68,37 @@ def _call_text(tc: dict) -> str:
         _args_text(fn.get("arguments", {})) + "}\n</tool_call>"
 
 
+_ARGS_KEY = re.compile(r'"arguments"\s*:\s*')
+
+
+def _raw_arguments(body: str, parsed) -> str:
+    """The arguments exactly as the model wrote them (spacing, key order, escapes), not a
+    re-serialisation: what the harness and the next prompt see is what was sampled."""
+    dec = json.JSONDecoder()
+    for m in _ARGS_KEY.finditer(body):
+        try:
+            value, end = dec.raw_decode(body, m.end())
+        except json.JSONDecodeError:
+            continue
+        if value == parsed:
+            return body[m.end():end]
+    return json.dumps(parsed, ensure_ascii=False)
+
+
 class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer | None = None, default_system: str = DEFAULT_SYSTEM):
         self.tokenizer = tokenizer
         self.default_system = default_system
 
     # -- text ----------------------------------------------------------------------------------
-    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
-               add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        """The prompt text, and the character spans the assistant generated (for the loss mask)."""
+    def _pieces(self, messages: Sequence[dict], tools: Sequence[dict] | None, add_generation_prompt: bool,
+                use_ids: bool) -> list[tuple[str, object, bool]]:
+        """The conversation as (kind, value, trainable) pieces: "tmpl" is the template's own text
+        (it may hold control tokens), "data" is text from users, tools, files or the model (always
+        encoded as plain text), "ids" are an assistant turn's recorded sampled ids (`use_ids`)."""
         if not messages:
             raise RenderError("no messages")
-        out: list[str] = []
-        spans: list[tuple[int, int]] = []
-        pos = 0
-
-        def emit(s: str) -> None:
-            nonlocal pos
-            out.append(s)
-            pos += len(s)
-
+        out: list[tuple[str, object, bool]] = []
         msgs = list(messages)
         if msgs[0].get("role") != "system":
             msgs.insert(0, {"role": "system", "content": self.default_system})
@@ -99,39 +110,109 @@ class ChatRenderer:
             if role == "system":
                 if i != 0:
                     raise RenderError("a system message must come first")
-                text = content
+                out += [("tmpl", "<|im_start|>system\n", False), ("data", content, False)]
                 if tools:
-                    text += TOOLS_HEADER + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_FOOTER
-                emit(f"<|im_start|>system\n{text}<|im_end|>\n")
+                    out += [("tmpl", TOOLS_HEADER, False),
+                            ("data", "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools), False),
+                            ("tmpl", TOOLS_FOOTER, False)]
+                out.append(("tmpl", "<|im_end|>\n", False))
             elif role == "user":
-                emit(f"<|im_start|>user\n{content}<|im_end|>\n")
+                out += [("tmpl", "<|im_start|>user\n", False), ("data", content, False), ("tmpl", "<|im_end|>\n", False)]
             elif role == "assistant":
-                emit("<|im_start|>assistant\n")
-                start = pos
-                emit(content + "".join(_call_text(tc) for tc in m.get("tool_calls") or []) + "<|im_end|>")
-                spans.append((start, pos))
-                emit("\n")
+                out.append(("tmpl", "<|im_start|>assistant\n", False))
+                ids = (m.get("opencomposer") or {}).get("token_ids") if use_ids else None
+                if ids is not None:
+                    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                        raise RenderError(f"message {i}: opencomposer.token_ids must be a list of ints")
+                    out.append(("ids", list(ids), True))
+                    end = self.tokenizer.eos_id if self.tokenizer is not None else None
+                    # A turn cut at max_tokens has no end-of-turn id: close it for the next prompt,
+                    # outside the loss (the model never produced it).
+                    out.append(("tmpl", "<|im_end|>\n" if not ids or ids[-1] != end else "\n", False))
+                    continue
+                out.append(("data", content, True))
+                for tc in m.get("tool_calls") or []:
+                    fn = tc.get("function", tc)
+                    out += [("tmpl", "\n<tool_call>\n", True), ("data", "{\"name\": " + json.dumps(fn["name"], ensure_ascii=False)
+                                                                   + ", \"arguments\": " + _args_text(fn.get("arguments", {}))
+                                                                   + "}", True), ("tmpl", "\n</tool_call>", True)]
+                out += [("tmpl", "<|im_end|>", True), ("tmpl", "\n", False)]
             elif role == "tool":
-                emit(f"<|im_start|>tool\n<tool_response>\n{content}\n</tool_response><|im_end|>\n")
+                out += [("tmpl", "<|im_start|>tool\n<tool_response>\n", False), ("data", content, False),
+                        ("tmpl", "\n</tool_response><|im_end|>\n", False)]
             else:
                 raise RenderError(f"message {i}: unknown role {role!r}")
         if add_generation_prompt:
-            emit("<|im_start|>assistant\n")
-        return "".join(out), spans
+            out.append(("tmpl", "<|im_start|>assistant\n", False))
+        return out
+
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
+               add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """The prompt text, and the character spans the assistant generated (for the loss mask)."""
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for _, value, train in self._pieces(messages, tools, add_generation_prompt, use_ids=False):
+            if train and value:
+                if spans and spans[-1][1] == pos:
+                    spans[-1] = (spans[-1][0], pos + len(value))
+                else:
+                    spans.append((pos, pos + len(value)))
+            parts.append(value)
+            pos += len(value)
+        return "".join(parts), spans
 
     def encode(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
                add_generation_prompt: bool = False) -> TokenSeq:
-        """Token ids of the rendered conversation; loss mask 1 on tokens inside assistant spans."""
+        """Token ids of the conversation; loss mask 1 on what the assistant generated.
+
+        Tokens are the contract: text from users, tools and files is encoded as plain text (a
+        `<|im_end|>` in a tool result is bytes, never an end-of-turn id, so repository content
+        cannot forge a role boundary), and an assistant turn that carries its sampled ids
+        (`opencomposer.token_ids`) is spliced in as those ids. Control tokens come only from the
+        template. For text without special literals this equals encoding the rendered text whole:
+        the tokenizer splits at special tokens before anything else, and so do we."""
         if self.tokenizer is None:
             raise RenderError("no tokenizer")
-        text, spans = self.render(messages, tools, add_generation_prompt=add_generation_prompt)
-        ids, offsets = self.tokenizer.encode_with_offsets(text)
-        mask = []
-        j = 0
-        for s, e in offsets:
-            while j < len(spans) and spans[j][1] <= s:
-                j += 1
-            mask.append(1 if j < len(spans) and spans[j][0] <= s and e <= spans[j][1] else 0)
+        tok = self.tokenizer
+        specials = tok.added_tokens()
+        split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")") \
+            if specials else None
+        ids: list[int] = []
+        mask: list[int] = []
+        region: list[tuple[str, bool]] = []
+
+        def flush() -> None:
+            text = "".join(t for t, _ in region)
+            if text:
+                bounds, pos = [], 0
+                for t, train in region:
+                    bounds.append((pos, pos + len(t), train))
+                    pos += len(t)
+                got, offsets = tok.encode_plain(text)
+                for tid, (a, b) in zip(got, offsets):
+                    ids.append(tid)
+                    # Trainable only if every character of the token is (as a span test on the text).
+                    over = [train for lo, hi, train in bounds if lo < max(b, a + 1) and a < hi]
+                    mask.append(int(bool(over) and all(over)))
+            region.clear()
+
+        for kind, value, train in self._pieces(messages, tools, add_generation_prompt, use_ids=True):
+            if kind == "ids":
+                flush()
+                ids.extend(value)
+                mask.extend([1] * len(value))
+            elif kind == "tmpl" and split is not None:
+                for part in split.split(value):
+                    if part in specials:
+                        flush()
+                        ids.append(specials[part])
+                        mask.append(int(train))
+                    elif part:
+                        region.append((part, train))
+            else:
+                region.append((value, train))
+        flush()
         return TokenSeq(ids, mask)
 
     # -- parsing model output --------------------------------------------------------------------
@@ -147,7 +228,7 @@ class ChatRenderer:
             try:
                 obj = json.loads(body)
                 name, args = obj["name"], obj.get("arguments", {})
-                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                args = args if isinstance(args, str) else _raw_arguments(body, args)
             except (json.JSONDecodeError, KeyError, TypeError):
                 name_m = re.search(r'"name"\s*:\s*"([^"]+)"', body)
                 name, args = (name_m.group(1) if name_m else ""), body

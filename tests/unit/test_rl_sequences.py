@@ -1,0 +1,65 @@
+"""RL sequences from recorded ids (rl/sequences.py) and the compact token arrays of trajectories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from opencomposer.harness.trajectory import Segment, Trajectory, TrajectoryError, tokens_path
+from opencomposer.rl.sequences import build_sequences
+
+
+def comp(prompt, ids, lps=None, experts=None, sampling=None):
+    return {"prompt_token_ids": prompt, "token_ids": ids, "logprobs": lps or [-0.5] * len(ids),
+            "policy_versions": [3] * len(ids), "routed_experts": experts, "sampling": sampling or {"temperature": 1.0}}
+
+
+def test_merge_where_the_next_prompt_extends_and_nowhere_else():
+    a = comp([1, 2], [3, 4])
+    b = comp([1, 2, 3, 4, 9, 9], [5])           # extends a: merged, tool tokens 9 9 are prompt
+    c = comp([1, 2, 7], [8])                     # does not extend: a new sequence
+    seqs, st = build_sequences({"segments": [{"completions": [a, b, c]}, {"completions": [comp([1], [2])]}]})
+    assert [s.ids for s in seqs] == [[1, 2, 3, 4, 9, 9, 5], [1, 2, 7, 8], [1, 2]]
+    assert seqs[0].loss_mask == [0, 0, 1, 1, 0, 0, 1] and seqs[0].versions == [-1, -1, 3, 3, -1, -1, 3]
+    assert seqs[0].logprobs == [0, 0, -0.5, -0.5, 0, 0, -0.5] and seqs[0].completions == [0, 1]
+    assert st.merges == 1 and st.merge_opportunities == 2 and st.merge_rate == 0.5
+    assert [s.segment for s in seqs] == [0, 0, 1]  # a segment boundary always starts anew
+    # Different sampling parameters cannot share one sequence (the logprobs were taken differently).
+    seqs, st = build_sequences({"segments": [{"completions": [a, {**b, "sampling": {"temperature": 0.5}}]}]})
+    assert len(seqs) == 2 and st.merges == 0
+
+
+def test_moe_prefix_routed_differently_is_not_merged():
+    e1 = [[[0, 1]], [[1, 2]], [[2, 3]]]                      # 3 positions for prompt 2 + 2 tokens
+    same = e1 + [[[0, 0]], [[1, 1]], [[2, 2]]]               # extends, same prefix routing
+    other = [[[5, 6]]] + e1[1:] + [[[0, 0]], [[1, 1]], [[2, 2]]]
+    a = comp([1, 2], [3, 4], experts=e1)
+    seqs, _ = build_sequences({"segments": [{"completions": [a, comp([1, 2, 3, 4, 9], [5, 6], experts=same)]}]})
+    assert len(seqs) == 1 and seqs[0].experts == same
+    seqs, _ = build_sequences({"segments": [{"completions": [a, comp([1, 2, 3, 4, 9], [5, 6], experts=other)]}]})
+    assert len(seqs) == 2
+
+
+def test_trajectory_token_arrays_round_trip_and_fail_clearly(tmp_path):
+    experts = [[[i % 7, (i + 1) % 7] for _ in range(3)] for i in range(9)]
+    c = comp(list(range(5)), [7, 8, 9, 2, 1], lps=[-0.1, -0.25, -1e-3, -2.0, -0.75], experts=experts)
+    msg = {"role": "assistant", "content": "x", "opencomposer": {"token_ids": [7, 8, 9, 2, 1]}}
+    t = Trajectory(id="t", task="x", policy="p", segments=[Segment(0, messages=[msg], completions=[c])])
+    p = t.save(tmp_path / "a.json")
+    raw = json.loads(p.read_text())["segments"][0]
+    assert raw["completions"][0]["routed_experts"] == {"array": "s0.c0.routed_experts"}
+    assert raw["messages"][0]["opencomposer"]["token_ids"] == {"array": "s0.m0.token_ids"}
+    back = Trajectory.load(p)
+    assert back.segments[0].completions[0] == c and back.segments[0].messages[0] == msg
+    tokens_path(p).write_bytes(b"garbage")
+    with pytest.raises(TrajectoryError, match="unreadable"):
+        Trajectory.load(p)
+    tokens_path(p).unlink()
+    with pytest.raises(TrajectoryError, match="missing"):
+        Trajectory.load(p)
+    # Ragged experts (no rectangular array) stay in the JSON, and still round-trip.
+    ragged = Trajectory(id="r", task="x", policy="p",
+                        segments=[Segment(0, completions=[comp([1], [2], experts=[[[1], [1, 2]]])])])
+    assert Trajectory.load(ragged.save(tmp_path / "r.json")).segments[0].completions[0]["routed_experts"] == \
+        [[[1], [1, 2]]]
