@@ -160,7 +160,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(llama_server, monkeypatch):
     # a random model may sample end-of-turn early and finish before the disconnect is noticed
     monkeypatch.setattr(srv.tokenizer, "eos_id", None)
     monkeypatch.setattr(srv.engine, "eos_ids", ())
-    host, port = srv.httpd.server_address[:2]
+    host, port = srv.address
     aborted = srv.engine.stats["aborted"]
     body = json.dumps({"model": "tiny-llama", "messages": MSG, "max_tokens": 400, "stream": True,
                        "temperature": 1.0}).encode()

@@ -19,10 +19,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from opencomposer.core.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, UserError):
     """A recipe or override does not fit the config's schema."""
 
 

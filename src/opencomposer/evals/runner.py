@@ -27,6 +27,7 @@ from opencomposer.core.metrics import read_jsonl
 from opencomposer.evals import metrics
 from opencomposer.harness.agent import Agent, AgentConfig
 from opencomposer.harness.index import CodeIndex
+from opencomposer.harness.openai_policy import OpenAIPolicyConfig
 from opencomposer.harness.policy import Policy, ScriptedPolicy
 from opencomposer.sandbox.base import SandboxConfig, SandboxError
 from opencomposer.sandbox.local import Workspace
@@ -47,6 +48,9 @@ class EvalConfig:
     max_tasks: int | None = None
     agent: AgentConfig = field(default_factory=AgentConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    policy: OpenAIPolicyConfig = field(default_factory=OpenAIPolicyConfig)
+    """Sampling settings of a served policy (temperature, top_p, max_tokens per turn); base_url and
+    model come from `--model`."""
 
 
 def oracle_policy(task: Task) -> Policy:
@@ -93,7 +97,8 @@ def noop_policy(task: Task) -> Policy:
     return ScriptedPolicy([{"content": "Nothing to do."}], name="noop")
 
 
-def policy_factory(model: str, model_name: str | None = None) -> Callable[[Task], Policy]:
+def policy_factory(model: str, model_name: str | None = None,
+                   config: OpenAIPolicyConfig | None = None) -> Callable[[Task], Policy]:
     if model == "oracle":
         return oracle_policy
     if model == "noop":
@@ -101,7 +106,7 @@ def policy_factory(model: str, model_name: str | None = None) -> Callable[[Task]
     from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
 
     base_url, name = resolve_model(model, model_name)
-    shared = OpenAIPolicy(base_url=base_url, model=name)
+    shared = OpenAIPolicy(config or OpenAIPolicyConfig(), base_url=base_url, model=name)
     return lambda task: shared
 
 

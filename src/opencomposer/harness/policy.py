@@ -17,8 +17,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from opencomposer.core.errors import UserError
 
-class PolicyError(RuntimeError):
+
+class PolicyError(RuntimeError, UserError):
     """The policy could not produce a completion (server down, bad response, script exhausted)."""
 
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opencomposer.core.errors import UserError
+
 
 @dataclass
 class ToolCallRecord:
@@ -184,7 +186,7 @@ class Trajectory:
         }
 
 
-class TrajectoryError(ValueError):
+class TrajectoryError(ValueError, UserError):
     """A trajectory file (or its token arrays) is missing, corrupt or inconsistent."""
 
 

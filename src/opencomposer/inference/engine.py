@@ -34,6 +34,10 @@ class EngineError(ValueError):
     """A request the engine cannot take (the server answers 400)."""
 
 
+class EngineBusy(EngineError):
+    """The waiting queue is at its bound (the server answers 429 with Retry-After)."""
+
+
 class WeightUpdateError(ValueError):
     """A weight update that does not fit the model; the engine keeps serving its old weights."""
 
@@ -62,6 +66,9 @@ class Sequence:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     gen: torch.Generator | None = None
     aborted: bool = False
+    watchers: list = field(default_factory=list)
+    """Callables run (on the engine's thread) after each new token and at the end: how an async
+    server learns of progress without polling."""
     # speculative decoding: (main hidden at position i, token i+1) pairs the MTP has not seen yet
     pending: list = field(default_factory=list)
 
@@ -85,6 +92,8 @@ class EngineConfig:
     speculative: bool = False
     """MTP speculative decoding: the model's first MTP head drafts one token per step, the main
     model verifies it in the same forward as the next one (models with MTP heads only)."""
+    max_waiting: int = 256
+    """Sequences queued for a slot at most; past it `submit` raises EngineBusy (a server answers 429)."""
 
 
 class Engine:
@@ -133,10 +142,21 @@ class Engine:
             seqs.append(Sequence(id=f"seq-{next(_ids)}", prompt=list(prompt), params=params, gen=gen,
                                  experts=[] if self.is_moe else None))
         with self._cond:
+            queued = sum(len(g.seqs) for g in self._waiting)
+            if queued + n > self.config.max_waiting:
+                raise EngineBusy(f"{queued} sequences are already waiting for a slot (the bound is "
+                                 f"{self.config.max_waiting}); retry shortly")
             self._waiting.append(_Group(list(prompt), seqs))
             self.stats["requests"] += 1
             self._cond.notify_all()
         return seqs
+
+    def load(self) -> dict:
+        """What a server needs to know of the engine's occupancy (read under the lock)."""
+        with self._cond:
+            return {"running": len(self._running), "waiting": sum(len(g.seqs) for g in self._waiting),
+                    "slots": self.config.slots, "max_waiting": self.config.max_waiting,
+                    "alive": self._thread is not None and self._thread.is_alive() and not self._stop}
 
     def abort(self, seqs: list[Sequence]) -> None:
         with self._cond:
@@ -185,6 +205,15 @@ class Engine:
                 time.sleep(0.005)
         elif self._thread is None:
             self._apply_update()
+
+    def withdraw_update(self, version: int) -> bool:
+        """Drop a queued update of `version` that has not been swapped in yet (True if dropped):
+        a caller that gave up waiting must not have it applied behind its back."""
+        with self._cond:
+            if self._update is not None and self._update[1] == version:
+                self._update = None
+                return True
+            return False
 
     def _apply_update(self) -> None:
         with self._cond:
@@ -355,6 +384,8 @@ class Engine:
             s.top_logprobs.append(top)
         self.stats["generated_tokens"] += 1
         s.events.put(len(s.tokens))
+        for w in s.watchers:
+            w()
         reason = None
         if tok in self.eos_ids or tok in s.params.stop_token_ids:
             reason = "stop"
@@ -386,6 +417,8 @@ class Engine:
             self._free.sort()
         s.done.set()
         s.events.put(None)
+        for w in s.watchers:
+            w()
 
     # -- background thread ------------------------------------------------------------------------
     def start(self) -> "Engine":

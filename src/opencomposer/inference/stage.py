@@ -38,7 +38,7 @@ def run(cfg: InferenceStageConfig, run_dir: RunDir, metrics: MetricsWriter) -> d
     import torch
 
     from opencomposer.inference.engine import checksum
-    from opencomposer.inference.server import Server, ServeConfig, load_served
+    from opencomposer.inference.server import ServeConfig, Server, load_served
     from opencomposer.model.hf import save_model
     from opencomposer.model.interop import import_default
     from opencomposer.model.loss import token_logprobs

@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from opencomposer.core.errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(ValueError, UserError):
     pass
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from opencomposer.core.errors import UserError
 
-class SequenceError(ValueError):
+
+class SequenceError(ValueError, UserError):
     """A completion lacks what a token-exact sequence needs (the message says which)."""
 
 

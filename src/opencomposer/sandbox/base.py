@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from opencomposer.core.errors import UserError
 
-class SandboxError(RuntimeError):
+
+class SandboxError(RuntimeError, UserError):
     """A sandbox could not do what was asked (its message says why)."""
 
 

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from opencomposer.core.errors import UserError
+
 BUILDER_VERSION = 1
 
 
-class EnvBuildError(RuntimeError):
+class EnvBuildError(RuntimeError, UserError):
     """An environment could not be built (the message says which requirement and what pip said)."""
 
 

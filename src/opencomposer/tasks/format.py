@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opencomposer.core.config import ConfigError, from_dict, to_dict
+from opencomposer.core.errors import UserError
 from opencomposer.tasks.environment import EnvironmentSpec
 
 
-class TaskError(ValueError):
+class TaskError(ValueError, UserError):
     """A task folder is malformed (its message names the file and what is wrong)."""
 
 

@@ -8,12 +8,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from opencomposer.core.errors import UserError
+
 GIT_ENV = {"GIT_AUTHOR_NAME": "opencomposer", "GIT_AUTHOR_EMAIL": "tasks@opencomposer",
            "GIT_COMMITTER_NAME": "opencomposer", "GIT_COMMITTER_EMAIL": "tasks@opencomposer",
            "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
 
 
-class PatchError(RuntimeError):
+class PatchError(RuntimeError, UserError):
     pass
 
 

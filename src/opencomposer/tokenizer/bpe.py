@@ -13,11 +13,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from opencomposer.core.errors import UserError
+
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
                  "</tool_response>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ValueError, UserError):
     pass
 
 
@@ -113,8 +115,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192, specials: Sequence[s
               min_frequency: int = 2) -> Tokenizer:
     """Train a byte-level BPE (the 256 byte symbols are always in the vocabulary, so any input
     encodes) with the chat special tokens at the start of the vocabulary."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(specials):
         raise TokenizerError(f"vocab_size {vocab_size} is smaller than the byte alphabet plus specials")

@@ -32,13 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
+from opencomposer.core.errors import UserError
+
 LANGUAGES = {".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp",
              ".rs": "rust", ".go": "go", ".js": "javascript", ".ts": "typescript", ".java": "java", ".rb": "ruby",
              ".sh": "shell", ".md": "markdown", ".rst": "text", ".txt": "text", ".toml": "toml", ".json": "json",
              ".yaml": "yaml", ".yml": "yaml"}
 
 
-class DataError(ValueError):
+class DataError(ValueError, UserError):
     pass
 
 

@@ -67,8 +67,7 @@ class _FullOptimizerState:
 
 def save(trainer, data_position: dict) -> Path | None:
     """Gather full weights and optimiser state; rank 0 writes an ordinary checkpoint."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
-        get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     from opencomposer.model import checkpoint as ckpt
 
@@ -88,8 +87,7 @@ def save(trainer, data_position: dict) -> Path | None:
 
 def load(trainer, path: Path):
     """Every rank reads the full checkpoint and keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, \
-        set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     from opencomposer.model import checkpoint as ckpt
 

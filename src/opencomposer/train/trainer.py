@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from opencomposer.core.errors import UserError
 from opencomposer.core.metrics import MetricsWriter
 from opencomposer.model import checkpoint as ckpt
 from opencomposer.model.loss import IGNORE, cross_entropy
@@ -29,7 +30,7 @@ from opencomposer.train import distributed
 log = logging.getLogger(__name__)
 
 
-class TrainError(ValueError):
+class TrainError(ValueError, UserError):
     pass
 
 

@@ -29,8 +29,7 @@ from pathlib import Path
 
 from opencomposer.sandbox.base import SandboxConfig
 from opencomposer.sandbox.local import Workspace
-from opencomposer.tasks import run_tests
-from opencomposer.tasks import environment
+from opencomposer.tasks import environment, run_tests
 from opencomposer.tasks.environment import EnvironmentSpec
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
 from opencomposer.tasks.grade import suite_outcomes

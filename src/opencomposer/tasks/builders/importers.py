@@ -37,6 +37,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opencomposer.core.errors import UserError
 from opencomposer.tasks.builders.git_history import is_test_path
 from opencomposer.tasks.environment import EnvironmentSpec, declared_requirements
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
@@ -49,7 +50,7 @@ PROBLEMS = "import.json"
 the gates add them to their failure messages."""
 
 
-class ImportRejected(ValueError):
+class ImportRejected(ValueError, UserError):
     """An instance cannot become a task; the message says why and what to do."""
 
 

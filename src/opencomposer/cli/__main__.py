@@ -1,0 +1,3 @@
+from opencomposer.cli import main
+
+raise SystemExit(main())
