@@ -41,12 +41,12 @@ def make_mirror(root: Path, n: int) -> tuple[Path, list[dict]]:
     mirror = root / "mirror"
     (mirror / "pkg").mkdir(parents=True)
     (mirror / "tests").mkdir()
-    funcs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(n)]
+    funcs = [f"def f{i}(x):\n    return x + {i + 1}\n" for i in range(n)]
     (mirror / "pkg" / "__init__.py").write_text("")
     (mirror / "pkg" / "ops.py").write_text("\n\n".join(funcs))
     for i in range(n):
         (mirror / "tests" / f"test_f{i}.py").write_text(f"from pkg.ops import f{i}\n\n\ndef test_f{i}():\n"
-                                                        f"    assert f{i}(1) == {1 + i}\n")
+                                                        f"    assert f{i}(1) == {2 + i}\n")
     sh(mirror, "init", "-q", "-b", "main")
     sh(mirror, "add", "-A")
     sh(mirror, "commit", "-qm", "clean")
@@ -54,7 +54,7 @@ def make_mirror(root: Path, n: int) -> tuple[Path, list[dict]]:
     for i in range(n):
         branch = f"pkg.{i:04d}.func_pm_op_change__{i}"
         sh(mirror, "checkout", "-qb", branch, "main")
-        text = (mirror / "pkg" / "ops.py").read_text().replace(f"return x + {i}\n", f"return x - {i}\n")
+        text = (mirror / "pkg" / "ops.py").read_text().replace(f"return x + {i + 1}\n", f"return x - {i + 1}\n")
         (mirror / "pkg" / "ops.py").write_text(text)
         sh(mirror, "commit", "-qam", "Bug Patch")
         sh(mirror, "rm", "-q", f"tests/test_f{i}.py")

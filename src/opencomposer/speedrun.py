@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opencomposer.core.errors import UserError
 from opencomposer.core.metrics import EventLog, MetricsWriter
 from opencomposer.core.rundir import RunDir
 from opencomposer.evals import stage as evals_stage
@@ -31,6 +32,10 @@ from opencomposer.train import precision
 from opencomposer.train import stage as train_stage
 
 log = logging.getLogger(__name__)
+
+
+class SpeedrunFailed(RuntimeError, UserError):
+    """One or more stages failed; the report card was written with them marked."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +73,7 @@ def run(cfg: SpeedrunConfig) -> RunDir:
     stages = [("sandbox", cfg.sandbox.enabled), ("harness", cfg.harness.enabled), ("evals", cfg.evals.enabled),
               ("model", cfg.model.enabled), ("inference", cfg.inference.enabled), ("cpt", cfg.cpt.enabled),
               ("sft", cfg.sft.enabled), ("kernels", cfg.kernels.enabled)]
+    failed: list[str] = []
     with events, metrics, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()) as bar:
         for name, enabled in stages:
             if not enabled:
@@ -109,11 +115,25 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                     task = bar.add_task("kernels: formats vs float64, a MoE per backend",
                                         total=cfg.kernels.steps * len(cfg.kernels.backends))
                     precision.run(cfg.kernels, run_dir, metrics, progress=lambda: bar.advance(task))
-            except Exception as e:
-                events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}")
-                log.exception("stage %s failed", name)
+            except KeyboardInterrupt:
+                events.emit("stage_failed", stage=name, error="interrupted")
+                report.write(run_dir)  # what ran so far, with the interrupted stage marked
                 raise
+            except Exception as e:
+                # Marked in the report card; the later stages still run (each falls back to the
+                # embedded default where it would have used an earlier stage's output).
+                import traceback
+
+                # The traceback goes to the run folder (events.jsonl); the console gets one line.
+                events.emit("stage_failed", stage=name, error=f"{type(e).__name__}: {e}",
+                            traceback=traceback.format_exc())
+                log.error("stage %s failed: %s: %s", name, type(e).__name__, e)
+                failed.append(name)
+                continue
             events.emit("stage_end", stage=name, seconds=time.monotonic() - t0)
     path = report.write(run_dir)
     log.info("report card: %s", path)
+    if failed:
+        raise SpeedrunFailed(f"stage(s) {', '.join(failed)} failed (see {run_dir.log}); the report card with them "
+                             f"marked is {path}")
     return run_dir

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -41,6 +42,8 @@ class FakeOpenAIServer:
                 with owner._lock:
                     owner.requests.append(body)
                     turn = owner.turns.pop(0) if owner.turns else {"content": "done"}
+                if turn.get("delay_s"):  # a slow model: the test interrupts the client meanwhile
+                    time.sleep(turn["delay_s"])
                 if turn.get("http_error"):
                     self._send(turn["http_error"], {"error": {"message": "scripted failure", "type": "server_error"}})
                     return

@@ -222,3 +222,30 @@ def test_parallel_same_file_edits_equal_running_them_in_order(tmp_path):
     seq = run_agent(repo, ScriptedPolicy(script), AgentConfig(parallel_tool_calls=False))
     assert par.tool_errors == 0 and seq.tool_errors == 0
     assert par.diff == seq.diff and par.diff.count("\n+value_") == 7 and "+shell edited" in par.diff
+
+
+def test_ctrl_c_keeps_the_trajectory(buggy_repo, tmp_path):
+    """SIGINT (Ctrl-C) and SIGTERM while the model is thinking: the CLI exits 130 and the trajectory
+    so far (the first turn's tool call and its result) is on disk."""
+    import signal
+    import time
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        turns = [{"tool_calls": [{"name": "read_file", "arguments": {"target_file": "pkg/calc.py"}}]},
+                 {"content": "slow", "delay_s": 30}]
+        out = tmp_path / f"runs-{sig}"
+        with FakeOpenAIServer(turns) as srv:
+            p = subprocess.Popen([sys.executable, "-m", "opencomposer.cli", "agent", "fix add", "--repo",
+                                  str(buggy_repo), "--model", srv.base_url, "--out", str(out)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 120
+            while len(srv.requests) < 2 and time.monotonic() < deadline and p.poll() is None:
+                time.sleep(0.05)
+            assert len(srv.requests) == 2
+            p.send_signal(sig)
+            _, err = p.communicate(timeout=60)
+        assert p.returncode == 130, err
+        (traj_file,) = list(out.glob("*/trajectory.json"))
+        traj = Trajectory.load(traj_file)
+        assert traj.stop_reason == "interrupted" and traj.turns == 1 and traj.tool_calls[0].name == "read_file"
+        assert traj.segments and any(m["role"] == "tool" for m in traj.segments[0].messages)

@@ -84,3 +84,28 @@ def test_speedrun_small(tmp_path):
     assert all(kernels["quantisers_exact"].values()) and all(e["within"] for e in kernels["gemm_errors"].values())
     assert set(kernels["training"]) == {"torch", "nvfp4"} and len(kernels["training"]["nvfp4"]["losses"]) == 4
     assert "## Low-precision MoE kernels" in report and (run / "kernels" / "loss.svg").exists()
+
+
+def test_a_failed_stage_is_marked_and_the_report_card_still_written(tmp_path):
+    """The model stage fails (its folder cannot be made: a file is in the way); the next stage still
+    runs, the report card is written with the failure marked, and the command says so in one line
+    with a non-zero exit."""
+    (tmp_path / "afile").write_text("x")
+    off = [f"--{s}.enabled=false" for s in ("harness", "evals", "inference", "sft", "kernels")]
+    off += ["--cpt.steps=1", "--cpt.state_cases=1", "--cpt.eval_tokens=256"]  # cpt runs after it, and fails too
+    r = cli("speedrun", f"--out_dir={tmp_path / 'runs'}", "--sandbox.latency_samples=2",
+            f"--model.folder={tmp_path / 'afile' / 'model'}", *off)
+    assert r.returncode == 2 and "stage(s) model, cpt failed" in r.stderr and "Traceback" not in r.stderr
+    (run,) = list((tmp_path / "runs").iterdir())
+    report = (run / "report.md").read_text()
+    assert "| model | failed |" in report and "| cpt | failed |" in report and "## Sandbox" in report
+
+
+def test_user_mistakes_are_one_line(tmp_path):
+    for args in (["serve", "--no-such-flag"], ["tasks", "validate", str(tmp_path), "--bogus"],
+                 ["eval", "run", "--model", "oracle", "--tasks", str(tmp_path / "missing")],
+                 ["pretrain", "--no_such_key=1"], ["sft", f"--model={tmp_path / 'missing'}"]):
+        r = cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "error" in r.stderr, (args, r.stderr[-500:])
+    r = cli("--debug", "pretrain", "--no_such_key=1")
+    assert r.returncode != 0 and "Traceback" in r.stderr  # --debug shows it

@@ -110,3 +110,65 @@ def test_oracle_uses_compact_hunks(smoke):
     patch = ("diff --git a/f.py b/f.py\n--- a/f.py\n+++ b/f.py\n@@ -1,2 +1,2 @@\n a\n-b\n+c\n"
              "\\ No newline at end of file\n")
     assert hunks_by_file(patch) == {"f.py": [("a\nb\n", "a\nc")]}  # only the new side lacks the newline
+
+
+def test_ctrl_c_keeps_finished_results_and_a_resume_skips_them(smoke, tmp_path):
+    """An eval against a model that answers the first two episodes at once and then stalls: SIGINT
+    exits 130 with the finished results on disk, queued episodes never start, and the same command
+    again runs only what is missing."""
+    import signal
+    import time
+
+    from tests.integration.fake_openai_server import FakeOpenAIServer
+
+    tasks = json.loads((smoke / "manifest.json").read_text())["tasks"]
+    n = len(tasks)
+    assert n >= 3
+    out = tmp_path / "ev"
+    cmd = [sys.executable, "-m", "opencomposer.cli", "eval", "run", "--tasks", str(smoke), "--out", str(out),
+           "--concurrency", "1", "--max-tokens", "64"]
+    with FakeOpenAIServer([{"content": "no"}, {"content": "no"}] + [{"content": "slow", "delay_s": 20}] * n) as srv:
+        p = subprocess.Popen([*cmd, "--model", srv.base_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "COLUMNS": "200"})
+        deadline = time.monotonic() + 300
+        while len(srv.requests) < 3 and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        assert len(srv.requests) == 3
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert srv.requests[0]["max_tokens"] == 64  # the sampling flag reached the policy
+    assert p.returncode == 130, err
+    done = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    # The episode whose call was in flight finishes that call (the policy's own deadline) and counts.
+    assert len(done) in (2, 3) and all(r["status"] == "failed" for r in done)
+    with FakeOpenAIServer([{"content": "no"}] * n) as srv:
+        r = subprocess.run([*cmd, "--model", srv.base_url], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert r.returncode == 0, r.stderr
+        assert len(srv.requests) == n - len(done)  # only the missing episodes ran
+    assert json.loads(r.stdout)["episodes"] == n
+
+
+def test_dataset_build_is_reused_and_an_interrupted_rebuild_keeps_the_last_good_one(smoke, tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    from opencomposer.tasks import default
+
+    out = tmp_path / "ds"
+    shutil.copytree(smoke, out)
+    cfg = DefaultBenchmarkConfig(sources=("colorsys",), build=BuildConfig(max_single=4, max_multi=0))
+    before = (out / "manifest.json").read_text()
+    t0 = time.perf_counter()
+    m = build_default(out, cfg)  # same inputs: reused, not rebuilt
+    assert time.perf_counter() - t0 < 5 and (out / "manifest.json").read_text() == before
+    assert m.tasks == json.loads(before)["tasks"]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(default.gates, "keep_valid", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # a different config must rebuild; it is stopped half-way
+        build_default(out, DefaultBenchmarkConfig(sources=("colorsys",), build=BuildConfig(max_single=2, max_multi=0)))
+    assert (out / "manifest.json").read_text() == before  # the last good dataset, whole
+    assert all(p.name == "ds" or not p.name.startswith(".ds") for p in tmp_path.iterdir())  # no staging left

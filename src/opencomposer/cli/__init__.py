@@ -192,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         from opencomposer.core.log import setup_logging
 
         setup_logging(ns.log_level)
+    if ns.command != "serve":  # (serve stops on SIGTERM by itself)
+        import signal
+
+        def _interrupt(signum, frame):  # SIGTERM ends a command the way Ctrl-C does: cleanly, saving its work
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return ns.fn(ns, extra)
     except KeyboardInterrupt:

@@ -137,15 +137,20 @@ def cmd_agent(ns: argparse.Namespace, extra: list[str]) -> int:
         elif kind == "summary":
             con.print(f"[magenta]context reset ({p['mode']}) at {p['tokens_before']} tokens[/]")
 
+    import uuid
+
+    out = Path(ns.out) / f"agent-{uuid.uuid4().hex[:12]}"
     try:
         with Workspace(repo) as ws, ws.sandbox() as sb:
             agent = Agent(policy, sb, cfg, index=CodeIndex.build(repo, workdir=sb.config.workdir), on_event=show)
-            traj = agent.run(ns.prompt)
+            # Saved however the run ends (Ctrl-C, SIGTERM, an error): nothing of it is lost.
+            traj = agent.run(ns.prompt, save_to=out / "trajectory.json")
+    except KeyboardInterrupt:
+        con.print(f"[yellow]interrupted[/]; the trajectory so far is in {out / 'trajectory.json'}")
+        return 130
     except (SandboxError, ValueError) as e:
         con.print(f"[red]error:[/] {e}")
         return 2
-    out = Path(ns.out) / f"agent-{traj.id}"
-    traj.save(out / "trajectory.json")
     (out / "trajectory.atif.json").write_text(json.dumps(traj.to_atif(), indent=1))
     con.print(f"stop: {traj.stop_reason}; turns {traj.turns}; tool errors {traj.tool_errors}; "
               f"tokens {traj.prompt_tokens}+{traj.completion_tokens}; trajectory {out}")

@@ -214,7 +214,12 @@ def cmd_eval_run(ns: argparse.Namespace, extra: list[str]) -> int:
         judge = OpenAIPolicy(base_url=base_url, model=name, temperature=0.0)
     with Progress(console=Console(stderr=True)) as bar:
         task = bar.add_task("episodes", total=None)
-        summary = run_eval(cfg, factory, out, progress=lambda r: bar.advance(task), judge=judge)
+        try:
+            summary = run_eval(cfg, factory, out, progress=lambda r: bar.advance(task), judge=judge)
+        except KeyboardInterrupt:
+            print(f"interrupted; finished episodes are in {out}/results.jsonl — run the same command with "
+                  f"--out {out} to resume", file=sys.stderr)
+            return 130
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=1))
     print(f"results: {out}/results.jsonl  report: {out}/report.html", file=sys.stderr)
     return 0

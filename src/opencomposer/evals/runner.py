@@ -111,12 +111,17 @@ def policy_factory(model: str, model_name: str | None = None,
 
 
 def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: SandboxPool, traj_dir: Path,
-                split: str | None, judge: Policy | None = None) -> dict:
+                split: str | None, judge: Policy | None = None, stop: threading.Event | None = None) -> dict:
+    """One episode. Never raises for the episode's own failures: any exception becomes an
+    `infra_error` record with its reason, so one broken task cannot end an eval. The trajectory is
+    on disk before grading starts (and again, with the grade, after). An episode ended by `stop`
+    is `interrupted` and not graded: a resumed eval runs it again."""
     t0 = time.perf_counter()
     rec = {"task": task.id, "pass": k, "category": task.spec.category, "split": split, "policy": policy.name,
            "passed": False, "status": "infra_error", "detail": "", "turns": 0, "prompt_tokens": 0,
            "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0, "tool_errors": 0, "stop_reason": "",
            "seconds": 0.0, "grade_seconds": 0.0}
+    path = traj_dir / f"{task.id}.{k}.json"
     try:
         with Workspace(task.repo, task.sandbox_config(cfg.sandbox)) as ws, pool.acquire(ws, deadline_s=3600) as sb:
             for cmd in task.spec.setup:
@@ -124,17 +129,22 @@ def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: Sandb
                 if not r.ok:
                     rec["detail"] = f"setup {cmd!r} failed: {r.stderr.strip()[:300]}"
                     return rec
-            agent = Agent(policy, sb, cfg.agent, index=CodeIndex.build(task.repo, workdir=sb.config.workdir))
-            traj = agent.run(task.prompt)
+            agent = Agent(policy, sb, cfg.agent, index=CodeIndex.build(task.repo, workdir=sb.config.workdir),
+                          stop=stop)
+            traj = agent.run(task.prompt, save_to=path)
             rec["seconds"] = time.perf_counter() - t0
+            rec.update(turns=traj.turns, prompt_tokens=traj.prompt_tokens, completion_tokens=traj.completion_tokens,
+                       cost_usd=traj.cost_usd, tool_calls=len(traj.tool_calls), tool_errors=traj.tool_errors,
+                       stop_reason=traj.stop_reason)
+            if traj.stop_reason == "interrupted":
+                rec.update(status="interrupted", detail="the eval was stopped during this episode")
+                return rec
             t1 = time.perf_counter()
             grade = grade_sandbox(task, sb)
             rec["grade_seconds"] = time.perf_counter() - t1
         traj.extra["grade"] = grade.to_dict()
-        traj.save(traj_dir / f"{task.id}.{k}.json")
-        rec.update(passed=grade.passed, status=grade.status, detail=grade.detail[:500], turns=traj.turns,
-                   prompt_tokens=traj.prompt_tokens, completion_tokens=traj.completion_tokens, cost_usd=traj.cost_usd,
-                   tool_calls=len(traj.tool_calls), tool_errors=traj.tool_errors, stop_reason=traj.stop_reason)
+        traj.save(path)
+        rec.update(passed=grade.passed, status=grade.status, detail=grade.detail[:500])
         if judge is not None and traj.diff:
             from opencomposer.tasks.rubric import grade_rubric
 
@@ -142,15 +152,22 @@ def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: Sandb
             rec.update(rubric=rubric.mean, rubric_scores=rubric.scores, rubric_error=rubric.error)
         if traj.stop_reason.startswith("policy_error"):
             rec.update(passed=False, status="infra_error", detail=traj.stop_reason[:500])
-    except (SandboxError, OSError) as e:
-        rec["detail"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - recorded with its reason; the eval goes on
+        if not isinstance(e, (SandboxError, OSError)):
+            log.exception("episode %s.%d failed", task.id, k)
+        rec["detail"] = f"{type(e).__name__}: {e}"[:500]
     rec["seconds"] = rec["seconds"] or time.perf_counter() - t0
     return rec
 
 
+NOT_DONE = ("infra_error", "interrupted")
+
+
 def run_eval(cfg: EvalConfig, factory: Callable[[Task], Policy], out: Path,
              progress: Callable[[dict], None] | None = None, judge: Policy | None = None) -> dict:
-    """Run every (task, pass) not yet in `out/results.jsonl`; `judge` adds rubric scores (tasks/rubric.py)."""
+    """Run every (task, pass) not yet in `out/results.jsonl`; `judge` adds rubric scores (tasks/rubric.py).
+    Ctrl-C stops the agents before their next call, keeps every finished result (each is flushed
+    as it ends) and re-raises; running it again skips what was done."""
     if cfg.passes < 1 or cfg.concurrency < 1:
         raise ValueError("passes and concurrency must be >= 1")
     tasks = load_dataset(cfg.tasks, cfg.split)[: cfg.max_tasks]
@@ -159,20 +176,39 @@ def run_eval(cfg: EvalConfig, factory: Callable[[Task], Policy], out: Path,
     split_of = _splits(cfg.tasks)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done = {(r["task"], r["pass"]) for r in read_jsonl(results) if r.get("status") != "infra_error"}
+    done = {(r["task"], r["pass"]) for r in read_jsonl(results) if r.get("status") not in NOT_DONE}
     jobs = [(t, k) for t in tasks for k in range(cfg.passes) if (t.id, k) not in done]
     lock = threading.Lock()
+    stop = threading.Event()
     pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.concurrency), max_load_per_cpu=None))
-    with ThreadPoolExecutor(cfg.concurrency) as ex, results.open("a") as f:
-        futs = [ex.submit(run_episode, t, k, factory(t), cfg, pool, out / "trajectories", split_of.get(t.id), judge)
-                for t, k in jobs]
-        for fut in as_completed(futs):
-            rec = fut.result()
-            with lock:
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-            if progress:
-                progress(rec)
+    ex = ThreadPoolExecutor(cfg.concurrency)
+    written: set[int] = set()
+
+    def record(i: int, rec: dict, f) -> None:
+        if i in written or rec["status"] == "interrupted":
+            return
+        written.add(i)
+        with lock:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        if progress:
+            progress(rec)
+
+    with results.open("a") as f:
+        futs = [ex.submit(run_episode, t, k, factory(t), cfg, pool, out / "trajectories", split_of.get(t.id),
+                          judge, stop) for t, k in jobs]
+        index = {fut: i for i, fut in enumerate(futs)}
+        try:
+            for fut in as_completed(futs):
+                record(index[fut], fut.result(), f)
+        except BaseException:
+            stop.set()  # running agents end before their next policy call; queued episodes never start
+            ex.shutdown(wait=True, cancel_futures=True)
+            for fut in futs:  # episodes that finished while we stopped are results too
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    record(index[fut], fut.result(), f)
+            raise
+    ex.shutdown(wait=True)
     latest: dict[tuple, dict] = {}
     for r in read_jsonl(results):  # the last record of an episode wins (resumed infra errors)
         latest[(r["task"], r["pass"])] = r

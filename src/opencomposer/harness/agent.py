@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from opencomposer.harness import prompt, schedule
@@ -65,7 +67,8 @@ Event = Callable[[str, dict], None]
 
 class Agent:
     def __init__(self, policy: Policy, sandbox: Any, config: AgentConfig | None = None, *, index: Any = None,
-                 summarizer: Policy | None = None, on_event: Event | None = None):
+                 summarizer: Policy | None = None, on_event: Event | None = None,
+                 stop: threading.Event | None = None):
         self.policy = policy
         self.sandbox = sandbox
         self.config = config or AgentConfig()
@@ -73,14 +76,53 @@ class Agent:
         self.index = index
         self.summarizer = summarizer
         self.on_event = on_event or (lambda kind, payload: None)
+        self.stop = stop
+        """Set by another thread (an eval being interrupted): the episode ends before its next call."""
+        self.trajectory: Trajectory | None = None
 
     # ------------------------------------------------------------------------------------------
-    def run(self, task: str, *, history: Sequence[str] = (), recent: Sequence[str] | None = None) -> Trajectory:
+    def run(self, task: str, *, history: Sequence[str] = (), recent: Sequence[str] | None = None,
+            save_to: str | Path | None = None) -> Trajectory:
+        """Run the episode. Whatever ends it — the policy, a limit, Ctrl-C (KeyboardInterrupt), a
+        stop event, a bug — the trajectory so far is finished (segments, todos, best-effort diff)
+        and, with `save_to`, written there before the exception goes on; `self.trajectory` holds it."""
         if not task or not task.strip():
             raise ValueError("empty task")
-        cfg = self.config
         traj = Trajectory(id=uuid.uuid4().hex[:12], task=task, policy=self.policy.name,
                           workspace=str(getattr(getattr(self.sandbox, "workspace", None), "source", "")))
+        self.trajectory = traj
+        self._state: dict = {}
+        try:
+            self._run(traj, task, history, recent)
+        except BaseException as e:
+            traj.stop_reason = "interrupted" if isinstance(e, KeyboardInterrupt) else \
+                f"error: {type(e).__name__}: {e}"
+            self._finish(traj)
+            if save_to is not None:
+                traj.save(save_to)
+            raise
+        self._finish(traj)
+        if save_to is not None:
+            traj.save(save_to)
+        return traj
+
+    def _finish(self, traj: Trajectory) -> None:
+        seg, messages = self._state.get("seg"), self._state.get("messages")
+        if seg is not None and not any(s is seg for s in traj.segments):
+            seg.messages = messages or seg.messages
+            seg.ended_by = traj.stop_reason
+            traj.segments.append(seg)
+        ctx = self._state.get("ctx")
+        traj.todos = [dict(t) for t in ctx.todos] if ctx is not None else []
+        try:
+            traj.diff = final_diff(self.sandbox)
+        except Exception as e:  # noqa: BLE001 - a dead sandbox must not lose the rest
+            log.warning("final diff failed: %s", e)
+        traj.ended_at = time.time()
+        self.on_event("done", {"stop_reason": traj.stop_reason})
+
+    def _run(self, traj: Trajectory, task: str, history: Sequence[str], recent: Sequence[str] | None) -> None:
+        cfg = self.config
         if hasattr(self.sandbox, "start_server"):
             self.sandbox.start_server()
         traj.extra["git_initialized"] = ensure_git_baseline(self.sandbox)
@@ -93,6 +135,8 @@ class Agent:
         traj.extra["tools"] = schemas  # what every call of every segment was rendered with (SFT reads it)
         self._schemas = schemas
         seg = Segment(0)
+        st = self._state
+        st.update(seg=seg, messages=messages, ctx=ctx)
         t0 = time.monotonic()
         context_tokens = self._estimate(messages)
         while True:
@@ -105,6 +149,7 @@ class Agent:
                     traj.stop_reason = "context_resets_exhausted"
                     break
                 messages, seg = self._reset(messages, seg, traj, ctx, system, task, history, context_tokens)
+                st.update(seg=seg, messages=messages)
                 context_tokens = self._estimate(messages)
                 continue
             comp = self._call(messages, schemas, traj, seg)
@@ -120,18 +165,12 @@ class Agent:
             messages += new
             context_tokens = (comp.usage.total if comp.usage.total else self._estimate(messages[:-len(new)])) \
                 + self._estimate(new)
-        seg.messages = messages
-        seg.ended_by = traj.stop_reason
-        traj.segments.append(seg)
-        traj.todos = [dict(t) for t in ctx.todos]
-        traj.diff = final_diff(self.sandbox)
-        traj.ended_at = time.time()
-        self.on_event("done", {"stop_reason": traj.stop_reason})
-        return traj
 
     # ------------------------------------------------------------------------------------------
     def _limit(self, traj: Trajectory, t0: float) -> str | None:
         cfg = self.config
+        if self.stop is not None and self.stop.is_set():
+            return "interrupted"
         if traj.turns >= cfg.max_turns:
             return "max_turns"
         if cfg.max_total_tokens is not None and traj.prompt_tokens + traj.completion_tokens >= cfg.max_total_tokens:

@@ -369,7 +369,15 @@ class LocalSandbox:
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
         snap = self.snapshot()
-        return [self.workspace.sandbox(snap) for _ in range(n)]
+        made: list[LocalSandbox] = []
+        try:
+            for _ in range(n):
+                made.append(self.workspace.sandbox(snap))
+        except BaseException:
+            for sb in made:  # the children made before a failure are not leaked
+                sb.close()
+            raise
+        return made
 
     def restore(self, snapshot: Snapshot) -> None:
         """Reset this sandbox to `snapshot` (its processes are stopped)."""

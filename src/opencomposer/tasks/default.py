@@ -11,9 +11,13 @@ changes touch at least three files).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
+import os
 import platform
+import shutil
 import statistics
 import sysconfig
 from collections.abc import Callable
@@ -113,26 +117,73 @@ class DefaultBenchmarkConfig:
     build: BuildConfig = BuildConfig()
     held_out_fraction: float = 0.3
     sdist_cache: Path | None = None
-    """Where PyPI source distributions are kept (default: <out>/.sdists)."""
+    """Where PyPI source distributions are kept (default: .sdists beside <out>, outside the swap)."""
+
+
+def fingerprint(cfg: DefaultBenchmarkConfig) -> str:
+    """What a built dataset depends on: the build config, this interpreter (whose stdlib and tests
+    are the code), the pinned sdists and the builder's own code."""
+    from opencomposer.core.config import to_dict
+    from opencomposer.tasks import environment, run_tests
+    from opencomposer.tasks.builders import deletion
+
+    code = "".join(Path(m.__file__).read_text() for m in (deletion, run_tests, environment))
+    blob = json.dumps({"config": to_dict(dataclasses.replace(cfg, sdist_cache=None)), "python": platform.python_version(),
+                       "stdlib": str(STDLIB), "pypi": PYPI_PACKAGES, "code": hashlib.sha256(code.encode()).hexdigest()},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfig(),
                   progress: Callable[[str], None] | None = None) -> Manifest:
     """Build, validate (every gate) and index the benchmark in `out`. Rejected tasks are removed and
-    their reasons recorded in the manifest."""
+    their reasons recorded in the manifest.
+
+    Built in a staging folder beside `out` and swapped in whole when complete, so an interrupted
+    build leaves the last good dataset (or none), never a truncated one; a complete dataset built
+    from the same inputs (`fingerprint`) is reused as it is."""
     say = progress or (lambda m: log.info(m))
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out)
+    key = fingerprint(cfg)
+    existing = out / "manifest.json"
+    if existing.is_file():
+        try:
+            m = json.loads(existing.read_text())
+        except ValueError:
+            m = {}
+        if m.get("extra", {}).get("fingerprint") == key and m.get("extra", {}).get("complete"):
+            say(f"reusing the complete dataset in {out} (built from the same inputs)")
+            return Manifest(name=m["name"], version=m.get("version", "1"), tasks=m["tasks"], extra=m["extra"])
     sources: dict[str, CodeSource | str] = {**stdlib_sources(), **{k: "pypi" for k in PYPI_PACKAGES}}
     names = cfg.sources or tuple(sources)
     unknown = sorted(set(names) - set(sources))
     if unknown:
         raise ValueError(f"unknown sources {unknown}; known: {sorted(sources)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        manifest = _build(stage, names, sources, cfg, say)
+        manifest.extra.update(fingerprint=key, complete=True)
+        manifest.save(stage)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(stage, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return manifest
+
+
+def _build(out: Path, names, sources, cfg: DefaultBenchmarkConfig, say) -> Manifest:
     manifest = Manifest(name="opencomposer-default", extra={"python": platform.python_version(), "rejected": []})
     for name in names:
         try:
             src = sources[name]
             if src == "pypi":
-                src = pypi_source(name, cfg.sdist_cache or out / ".sdists")
+                src = pypi_source(name, cfg.sdist_cache or out.parent / ".sdists")
             paths = build_tasks(src, out, cfg.build, progress=say)
         except RuntimeError as e:
             manifest.extra["rejected"].append({"source": name, "reason": str(e)})
@@ -149,9 +200,7 @@ def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfi
                                              "files_changed": task.spec.stats.files_changed,
                                              "lines_changed": task.spec.stats.lines_changed}})
             say(f"accepted {task.id}")
-        manifest.save(out)
     manifest.extra["split_stats"] = split_stats(manifest)
-    manifest.save(out)
     return manifest
 
 
