@@ -34,6 +34,10 @@ bench: setup
 	$(PY) benchmarks/inference.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/tasks_import.py
+	$(PY) benchmarks/server.py
+	cd benchmarks && ../$(PY) tasks_import.py
+	cd benchmarks && ../$(PY) server.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
