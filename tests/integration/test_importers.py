@@ -145,23 +145,33 @@ def test_swesmith_older_layout_tip_is_the_bug(tmp_path):
     assert [g for g in gates.validate(root) if not g.ok] == []
 
 
-def test_src_layout_needs_its_environment(tmp_path):
-    """A src-layout package: without PYTHONPATH the tests cannot import it (gold fails); with
-    `--env PYTHONPATH=/testbed/src` it imports, and the oracle passes."""
+def smith_mirror(tmp_path, branch: str, clean: dict, bug: dict, f2p_file: str):
+    """A SWE-smith mirror as published, for one instance: main clean, the branch's parent plants
+    `bug`, its tip deletes `f2p_file`."""
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     sh(mirror, "init", "-q", "-b", "main")
-    write(mirror, {"pyproject.toml": '[project]\nname = "srcpkg"\nversion = "0"\ndependencies = []\n',
-                   "src/srcpkg/__init__.py": "def double(x):\n    return 2 * x\n",
-                   "tests/test_double.py": "from srcpkg import double\n\n\ndef test_double():\n    assert double(2) == 4\n",
-                   "tests/test_import.py": "import srcpkg\n\n\ndef test_import():\n    assert srcpkg\n"})
+    write(mirror, clean)
     sh(mirror, "add", "-A")
     sh(mirror, "commit", "-qm", "clean")
-    sh(mirror, "checkout", "-qb", "srcpkg.1")
-    write(mirror, {"src/srcpkg/__init__.py": "def double(x):\n    return 3 * x\n"})
-    sh(mirror, "commit", "-qam", "bug")
-    sh(mirror, "rm", "-q", "tests/test_double.py")
+    sh(mirror, "checkout", "-qb", branch)
+    write(mirror, bug)
+    sh(mirror, "commit", "-qam", "Bug Patch")
+    sh(mirror, "rm", "-q", f2p_file)
     sh(mirror, "commit", "-qm", "Remove F2P Tests")
+    return mirror
+
+
+def test_src_layout_needs_its_environment(tmp_path):
+    """A src-layout package: without PYTHONPATH the tests cannot import it (gold fails); with
+    `--env PYTHONPATH=/testbed/src` it imports, and the oracle passes."""
+    mirror = smith_mirror(tmp_path, "srcpkg.1", {
+        "pyproject.toml": '[project]\nname = "srcpkg"\nversion = "0"\ndependencies = []\n',
+        "src/srcpkg/__init__.py": "def double(x):\n    return 2 * x\n",
+        "tests/test_double.py": "from srcpkg import double\n\n\ndef test_double():\n"
+                                "    assert double(2) == 4\n",
+        "tests/test_import.py": "import srcpkg\n\n\ndef test_import():\n    assert srcpkg\n"},
+        {"src/srcpkg/__init__.py": "def double(x):\n    return 3 * x\n"}, "tests/test_double.py")
     inst = {"instance_id": "srcpkg.1", "FAIL_TO_PASS": ["tests/test_double.py::test_double"],
             "PASS_TO_PASS": ["tests/test_import.py::test_import"]}
     bare = import_swesmith(mirror, inst, tmp_path / "bare", CFG)
@@ -177,20 +187,12 @@ def test_harness_packages_are_not_visible_planted_leak(tmp_path):
     """The repository is a package the harness itself has installed (idna). A "fix" that deletes the
     repository's package must fail: the tests may not fall back to the harness's copy. The control
     (the same task in the harness's environment) shows the leak is real."""
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    sh(mirror, "init", "-q", "-b", "main")
-    write(mirror, {"idna/__init__.py": "def encode(s, **kw):\n    return s.encode('ascii')\n",
-                   "tests/test_encode.py": "import idna\n\n\ndef test_encode():\n"
-                                           "    assert idna.encode('example.com') == b'example.com'\n",
-                   "tests/test_other.py": "def test_other():\n    assert True\n"})
-    sh(mirror, "add", "-A")
-    sh(mirror, "commit", "-qm", "clean")
-    sh(mirror, "checkout", "-qb", "idna.1")
-    write(mirror, {"idna/__init__.py": "def encode(s, **kw):\n    return s.upper().encode('ascii')\n"})
-    sh(mirror, "commit", "-qam", "bug")
-    sh(mirror, "rm", "-q", "tests/test_encode.py")
-    sh(mirror, "commit", "-qm", "Remove F2P Tests")
+    mirror = smith_mirror(tmp_path, "idna.1", {
+        "idna/__init__.py": "def encode(s, **kw):\n    return s.encode('ascii')\n",
+        "tests/test_encode.py": "import idna\n\n\ndef test_encode():\n"
+                                "    assert idna.encode('example.com') == b'example.com'\n",
+        "tests/test_other.py": "def test_other():\n    assert True\n"},
+        {"idna/__init__.py": "def encode(s, **kw):\n    return s.upper().encode('ascii')\n"}, "tests/test_encode.py")
     inst = {"instance_id": "idna.1", "FAIL_TO_PASS": ["tests/test_encode.py::test_encode"],
             "PASS_TO_PASS": ["tests/test_other.py::test_other"]}
     hack = ("diff --git a/idna/__init__.py b/idna/__init__.py\ndeleted file mode 100644\n--- a/idna/__init__.py\n"
