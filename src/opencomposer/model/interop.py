@@ -68,11 +68,36 @@ def llama_config(md: dict, tied: bool) -> dict:
 
 
 def import_gguf(gguf_path: str | Path, out: str | Path, *, progress=None) -> Path:
-    """Write a Hugging Face model folder for a Llama-architecture GGUF."""
-    from safetensors.numpy import save_file
+    """Write a Hugging Face model folder for a Llama-architecture GGUF. The folder is written beside
+    `out` and swapped in whole: an interrupted import leaves no half-written model that a later
+    check for config.json would take for a complete one."""
+    import os
+    import shutil
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.importing-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        _write_gguf_folder(gguf_path, stage, progress)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        try:
+            os.replace(stage, out)
+        except OSError:
+            if not (out / "config.json").exists():  # not another process's complete import: a real error
+                raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def _write_gguf_folder(gguf_path: str | Path, out: Path, progress) -> None:
+    from safetensors.numpy import save_file
+
     with GGUFFile(gguf_path) as g:
         md = g.metadata
         tied = "output.weight" not in g.tensors
@@ -100,7 +125,6 @@ def import_gguf(gguf_path: str | Path, out: str | Path, *, progress=None) -> Pat
         "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "model_max_length": cfg["max_position_embeddings"],
         "chat_template": ChatRenderer().chat_template(), "add_bos_token": False}, indent=2) + "\n")
     (out / "opencomposer.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
 
 
 def import_default(out: str | Path, progress=None) -> Path:
