@@ -236,3 +236,24 @@ def test_speculative_sampling_emits_the_target_distribution():
         d = int(torch.multinomial(q, 1, generator=gen))
         counts[speculative_accept(p, q, d, gen)[1]] += 1
     assert (counts / counts.sum() - p).abs().max() < 0.015
+
+
+def test_two_updates_before_a_step_both_apply_and_versions_check_the_pending_one():
+    model = llama()
+    engine = Engine(model, config=EngineConfig(slots=2, max_len=64)).start()
+    try:
+        a = {"model.norm.weight": torch.full((64,), 2.0)}
+        b = {"model.embed_tokens.weight": model.to_hf_state()["model.embed_tokens.weight"] + 1.0}
+        with engine._cond:  # the loop cannot swap in between (the condition's lock is re-entrant)
+            engine.update_weights(a, 1, wait=None)
+            with pytest.raises(WeightUpdateError, match="pending version 1"):
+                engine.update_weights(a, 1, wait=None)
+            engine.update_weights(b, 2, wait=None)
+        deadline = __import__("time").monotonic() + 30
+        while engine.version < 2 and __import__("time").monotonic() < deadline:
+            __import__("time").sleep(0.01)
+        assert engine.version == 2 and engine.stats["weight_updates"] == 1
+        assert torch.equal(model.norm.weight, torch.full((64,), 2.0))  # the first update was not lost
+        assert torch.equal(model.to_hf_state()["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+    finally:
+        engine.stop()

@@ -183,8 +183,11 @@ class Engine:
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int, *, wait: float | None = 60.0) -> None:
         """Queue new weights (Hugging Face names, all or a subset of the model's tensors); they
         are checked now and swapped in between two decode steps."""
-        if version <= self.version:
-            raise WeightUpdateError(f"version {version} is not newer than the served version {self.version}")
+        with self._cond:
+            pending = self._update[1] if self._update is not None else None
+        if version <= self.version or (pending is not None and version <= pending):
+            raise WeightUpdateError(f"version {version} is not newer than the served version {self.version}"
+                                    + (f" and the pending version {pending}" if pending is not None else ""))
         state = self.model.state_dict()
         for name, t in tensors.items():
             target = self.model.hf_target(name, state)
@@ -195,6 +198,13 @@ class Engine:
             if not torch.isfinite(t).all():
                 raise WeightUpdateError(f"{name} contains NaN or Inf")
         with self._cond:
+            if self._update is not None:
+                # A second update before the next step: both apply (a subset after a subset is their
+                # union, the newer tensor winning), under the newer version — neither is lost.
+                if version <= self._update[1]:
+                    raise WeightUpdateError(f"version {version} is not newer than the pending version "
+                                            f"{self._update[1]}")
+                tensors = {**self._update[0], **tensors}
             self._update = (tensors, version)
             self._cond.notify_all()
         if wait and self._thread is not None:
