@@ -1,0 +1,85 @@
+"""The policy-gradient objective (report §3.1): Dr. GRPO with a k1 KL regulariser.
+
+- G rollouts per prompt, G fixed; advantage A_i = R_i - mean_j R_j, no division by the standard
+  deviation (it upweights tiny behavioural differences in groups that are all right or all wrong).
+- The token loss is summed over every trained token of every rollout and divided by a constant
+  (`normalizer`), never by a sequence's own length (Dr. GRPO: per-sequence 1/|y| is a length bias).
+- k1 = log pi(x) - log pi_ref(x) per sampled token (the report: KL(q||p) = E_q[-log r], r = p/q).
+  Where it goes is a config choice the report leaves open: `kl_place = "reward"` (default) takes
+  beta * sum_t k1_t off a rollout's reward before the group baseline; `"loss"` adds beta * k1 to
+  the token loss (note: under on-policy samples its expected gradient is zero, which is why the
+  reward placement is the default).
+- Off-policy correction against the sampler's logprobs (`correction`): `"tis"` (default) weighs
+  each token's gradient by min(pi/pi_sampler, cap), detached (truncated importance sampling);
+  `"ppo"` uses the clipped surrogate min(r A, clip(r, 1-eps, 1+eps) A); `"none"` assumes on-policy.
+- No overlong masking; single epoch (no prompt twice) is the reconciler's job; Adam on all
+  parameters is the trainer's.
+Groups whose rewards are all equal carry no gradient: `group_advantages` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ObjectiveConfig:
+    group_size: int = 8
+    normalizer: float = 4096.0
+    """The constant every loss is divided by (Dr. GRPO); a group's expected trained tokens is a fit."""
+    kl_coef: float = 1e-3
+    kl_place: Literal["reward", "loss"] = "reward"
+    correction: Literal["tis", "ppo", "none"] = "tis"
+    tis_cap: float = 2.0
+    clip_eps: float = 0.2
+
+
+def group_advantages(rewards: list[float], group_size: int) -> tuple[list[float], bool]:
+    """(A_i = R_i - mean R, whether the group carries no signal). The size must be the fixed G."""
+    if len(rewards) != group_size:
+        raise ValueError(f"a group has {len(rewards)} rollouts; the group size is fixed at {group_size}")
+    mean = sum(rewards) / len(rewards)
+    adv = [r - mean for r in rewards]
+    return adv, all(abs(a) < 1e-12 for a in adv)
+
+
+def k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Per-token k1 estimate of KL(pi || pi_ref) at sampled tokens: log pi - log pi_ref."""
+    return logp - logp_ref
+
+
+def token_loss(logp: torch.Tensor, logp_sampler: torch.Tensor, advantage: torch.Tensor,
+               cfg: ObjectiveConfig, logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Summed (not averaged) loss of one sequence's trained tokens, divided by the constant.
+
+    `logp`: the trainer's logprobs (differentiable); `logp_sampler`: the sampler's; `advantage`:
+    one value per token (the rollout's A, broadcast) or a scalar."""
+    adv = advantage.expand_as(logp) if advantage.dim() == 0 else advantage
+    ratio = torch.exp(logp - logp_sampler)
+    if cfg.correction == "ppo":
+        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    elif cfg.correction == "tis":
+        surrogate = torch.clamp(ratio.detach(), max=cfg.tis_cap) * adv * logp
+    else:
+        surrogate = adv * logp
+    loss = -surrogate.sum()
+    stats = {"tokens": int(logp.numel()), "ratio_mean": float(ratio.detach().mean()) if logp.numel() else 1.0,
+             "ratio_max": float(ratio.detach().max()) if logp.numel() else 1.0}
+    if logp_ref is not None:
+        kl = k1(logp, logp_ref)
+        stats["kl"] = float(kl.detach().sum())
+        if cfg.kl_place == "loss":
+            loss = loss + cfg.kl_coef * kl.sum()
+    if cfg.correction == "tis":
+        stats["truncated"] = int((ratio.detach() > cfg.tis_cap).sum())
+    return loss / cfg.normalizer, stats
+
+
+def rewards_with_kl(rewards: list[float], kl_sums: list[float], cfg: ObjectiveConfig) -> list[float]:
+    """With `kl_place = "reward"`: R_i - beta * sum_t k1_t (before the group baseline)."""
+    if cfg.kl_place != "reward":
+        return list(rewards)
+    return [r - cfg.kl_coef * k for r, k in zip(rewards, kl_sums, strict=True)]
