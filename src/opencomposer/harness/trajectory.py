@@ -211,9 +211,11 @@ def _as_array(key: str, value):
         return arr.astype(np.float32 if lossless else np.float64)
     if arr.dtype.kind not in "iu":
         return None
-    narrow = np.int16 if key == "routed_experts" and arr.min() >= -32768 and arr.max() < 32768 else np.int32
-    return arr.astype(narrow) if arr.min() >= np.iinfo(narrow).min and arr.max() <= np.iinfo(narrow).max \
-        else arr.astype(np.int64)
+    lo, hi = int(arr.min()), int(arr.max())
+    for narrow in ((np.int16, np.int32) if key == "routed_experts" else (np.int32,)):
+        if np.iinfo(narrow).min <= lo and hi <= np.iinfo(narrow).max:
+            return arr.astype(narrow)
+    return arr.astype(np.int64)
 
 
 def _offload(d: dict) -> dict:

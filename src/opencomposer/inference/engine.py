@@ -183,11 +183,8 @@ class Engine:
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int, *, wait: float | None = 60.0) -> None:
         """Queue new weights (Hugging Face names, all or a subset of the model's tensors); they
         are checked now and swapped in between two decode steps."""
-        with self._cond:
-            pending = self._update[1] if self._update is not None else None
-        if version <= self.version or (pending is not None and version <= pending):
-            raise WeightUpdateError(f"version {version} is not newer than the served version {self.version}"
-                                    + (f" and the pending version {pending}" if pending is not None else ""))
+        if version <= self.version:
+            raise WeightUpdateError(f"version {version} is not newer than the served version {self.version}")
         state = self.model.state_dict()
         for name, t in tensors.items():
             target = self.model.hf_target(name, state)

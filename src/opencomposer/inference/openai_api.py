@@ -285,8 +285,7 @@ class Frontend:
 
 
     def completions_request(self, body: dict) -> tuple[list[int], SamplingParams, int]:
-        o = self
-        o.check_model(body)
+        self.check_model(body)
         if body.get("stream"):
             raise RequestError(400, "stream is not supported on /v1/completions (use /v1/chat/completions)",
                                "stream")
@@ -296,34 +295,33 @@ class Frontend:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            ids = o.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = prompt
         else:
             raise RequestError(400, "prompt must be a non-empty string or a list of token ids (one prompt)", "prompt")
-        params, n = o.params(body, legacy=True)
+        params, n = self.params(body, legacy=True)
         return ids, params, n
 
     def completions_response(self, body: dict, ids: list[int], seqs: list[Sequence]) -> dict:
-        o = self
         choices = []
         for i, s in enumerate(seqs):
-            text = o.text_of(s)
+            text = self.text_of(s)
             lp = None
             if body.get("logprobs") is not None:
-                toks = [o.tokenizer.decode([t]) for t in s.tokens]
+                toks = [self.tokenizer.decode([t]) for t in s.tokens]
                 offsets, pos = [], 0
                 for t in toks:
                     offsets.append(pos)
                     pos += len(t)
                 lp = {"tokens": toks, "token_logprobs": s.logprobs, "text_offset": offsets,
-                      "top_logprobs": [{o.tokenizer.decode([t]): v for t, v in top} for top in s.top_logprobs]
+                      "top_logprobs": [{self.tokenizer.decode([t]): v for t, v in top} for top in s.top_logprobs]
                       if s.top_logprobs else None}
             choices.append({"index": i, "text": text, "logprobs": lp,
                             "finish_reason": "length" if s.finish_reason == "length" else "stop",
-                            "opencomposer": o.extension(s, body)})
+                            "opencomposer": self.extension(s, body)})
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-                "created": int(time.time()), "model": o.name, "choices": choices, "usage": o.usage(ids, seqs)}
+                "created": int(time.time()), "model": self.name, "choices": choices, "usage": self.usage(ids, seqs)}
 
     def chat_response(self, body: dict, rid: str, created: int, prompt: list[int], seqs: list[Sequence],
                       tools) -> dict:

@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 from opencomposer.core.errors import UserError
+from opencomposer.sandbox.isolation import base_interpreter
 
 BUILDER_VERSION = 1
 
@@ -62,18 +63,13 @@ class EnvironmentSpec:
         return tuple(sorted(set(self.requirements) | set(runner)))
 
 
-def base_python() -> str:
-    """This machine's base interpreter (not the harness's venv): what environments are made from."""
-    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-
-
 def cache_root() -> Path:
     env = os.environ.get("OPENCOMPOSER_ENV_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "opencomposer" / "envs"
 
 
 def spec_key(spec: EnvironmentSpec, python: str | None = None) -> str:
-    python = python or base_python()
+    python = python or base_interpreter()
     blob = json.dumps({"python": python, "version": sys.version, "requirements": spec.resolved(),
                        "builder": BUILDER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -82,7 +78,7 @@ def spec_key(spec: EnvironmentSpec, python: str | None = None) -> str:
 def ensure(spec: EnvironmentSpec, *, root: Path | None = None, timeout_s: float = 1800.0) -> Path:
     """The environment folder for `spec`, built on first use. Raises EnvBuildError with pip's
     last lines if it cannot be built."""
-    python = base_python()
+    python = base_interpreter()
     key = spec_key(spec, python)
     root = root or cache_root()
     env = root / key

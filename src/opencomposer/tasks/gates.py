@@ -17,6 +17,7 @@ below guards against one known leak or defect, and each has a test that plants i
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,9 @@ def validate(task_dir: str | Path, *, run_tests: bool = True) -> list[GateResult
         with Workspace(task.repo, task.sandbox_config()) as ws:
             gold = grade_patch(task, task.reference_patch, ws)
             detail = gold.detail or gold.status
-            if not gold.passed and import_notes(task):
-                detail = f"{import_notes(task)}; {detail}"
+            notes = import_notes(task) if not gold.passed else ""
+            if notes:
+                detail = f"{notes}; {detail}"
             out.append(GateResult("gold_passes", gold.passed, detail))
             noop = grade_patch(task, "", ws)
             out.append(GateResult("noop_fails", noop.status == "failed",
@@ -80,8 +82,6 @@ def keep_valid(paths: list[Path]) -> tuple[list[Path], list[tuple[Path, list[Gat
 
 def import_notes(task: Task) -> str:
     """What the importer noted about the task (e.g. "no solution"), if anything."""
-    import json
-
     f = task.root / "import.json"
     if not f.is_file():
         return ""
@@ -102,7 +102,8 @@ def hidden_absent(task: Task) -> GateResult:
     for f in task.hidden.rglob("*"):
         if f.is_file():
             rel = f.relative_to(task.hidden)
-            if _in_workspace(task, rel) is not None and (task.repo / _in_workspace(task, rel)).exists():
+            where = _in_workspace(task, rel)
+            if where is not None and (task.repo / where).exists():
                 return GateResult("hidden_absent", False, f"hidden file {rel} is present in repo/")
             data = f.read_bytes()
             if len(data) >= 64:  # tiny files (empty __init__.py) collide innocently

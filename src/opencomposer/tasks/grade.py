@@ -185,6 +185,13 @@ def _reward_result(task: Task, reward_dir: Path | None, r, duration: float) -> G
                        detail=detail, tests_run=1, outcomes={"reward": str(reward)})
 
 
+def split_outcomes(before: dict[str, str], after: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(fail-to-pass, pass-to-pass) from suite outcomes without and with the change."""
+    passed = [t for t, o in after.items() if o == "passed"]
+    return (tuple(sorted(t for t in passed if before.get(t) != "passed")),
+            tuple(sorted(t for t in passed if before.get(t) == "passed")))
+
+
 def suite_outcomes(sb: LocalSandbox, hidden: Path, command: str, timeout_s: float = 600.0) -> dict[str, str]:
     """Copy `hidden` into the sandbox, run `command` ({junit} = the report), return the outcomes
     ({} when no readable report was written). What builders use to measure fail/pass-to-pass."""

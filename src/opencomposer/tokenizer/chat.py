@@ -62,12 +62,6 @@ def _args_text(args) -> str:
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def _call_text(tc: dict) -> str:
-    fn = tc.get("function", tc)
-    return "\n<tool_call>\n{\"name\": " + json.dumps(fn["name"], ensure_ascii=False) + ", \"arguments\": " + \
-        _args_text(fn.get("arguments", {})) + "}\n</tool_call>"
-
-
 _ARGS_KEY = re.compile(r'"arguments"\s*:\s*')
 
 
@@ -175,9 +169,7 @@ class ChatRenderer:
         if self.tokenizer is None:
             raise RenderError("no tokenizer")
         tok = self.tokenizer
-        specials = tok.added_tokens()
-        split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")") \
-            if specials else None
+        specials, split = self._specials()
         ids: list[int] = []
         mask: list[int] = []
         region: list[tuple[str, bool]] = []
@@ -214,6 +206,16 @@ class ChatRenderer:
                 region.append((value, train))
         flush()
         return TokenSeq(ids, mask)
+
+    def _specials(self) -> tuple[dict[str, int], re.Pattern | None]:
+        """The tokenizer's added tokens and a pattern that splits template text at them (made once:
+        the server encodes every request with it)."""
+        if getattr(self, "_special_cache", None) is None:
+            specials = self.tokenizer.added_tokens()
+            split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")") \
+                if specials else None
+            self._special_cache = (specials, split)
+        return self._special_cache
 
     # -- parsing model output --------------------------------------------------------------------
     _CALL = re.compile(r"\n?<tool_call>\s*(.*?)\s*</tool_call>", re.S)

@@ -24,7 +24,7 @@ from opencomposer.sandbox.local import Workspace
 from opencomposer.tasks import environment
 from opencomposer.tasks.environment import EnvironmentSpec, declared_requirements
 from opencomposer.tasks.format import Task, TaskSpec, TaskStats, VerifierSpec
-from opencomposer.tasks.grade import suite_outcomes
+from opencomposer.tasks.grade import split_outcomes, suite_outcomes
 from opencomposer.tasks.patch import git, init_single_commit_repo, patch_stats
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,7 @@ def build_from_git(repo: str | Path, out_dir: Path, cfg: GitHistoryConfig = GitH
             box = environment.sandbox_config(env_spec, sandbox)
             pre = _outcomes(before, hidden, command, box, cfg.timeout_s)
             post = _outcomes(after, hidden, command, box, cfg.timeout_s)
-            f2p = tuple(sorted(t for t, o in post.items() if o == "passed" and pre.get(t) != "passed"))
-            p2p = tuple(sorted(t for t, o in post.items() if o == "passed" and pre.get(t) == "passed"))
+            f2p, p2p = split_outcomes(pre, post)
             if not f2p:
                 say(f"{sha[:8]}: no fail-to-pass test, skipped")
                 continue

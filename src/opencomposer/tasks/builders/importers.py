@@ -257,15 +257,12 @@ def derive_tests(bug_tree: Path, gold_tree: Path, cfg: ImportConfig,
                  env_spec: EnvironmentSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """FAIL_TO_PASS and PASS_TO_PASS measured: the whole suite at the bug and at the gold revision,
     each in a sandbox of the task's environment."""
-    import dataclasses
-
     from opencomposer.sandbox.base import SandboxConfig
     from opencomposer.sandbox.local import Workspace
     from opencomposer.tasks import environment
-    from opencomposer.tasks.grade import suite_outcomes
+    from opencomposer.tasks.grade import split_outcomes, suite_outcomes
 
-    box = environment.sandbox_config(env_spec, dataclasses.replace(SandboxConfig(), workdir=cfg.workdir),
-                                     dict(cfg.env))
+    box = environment.sandbox_config(env_spec, SandboxConfig(workdir=cfg.workdir), dict(cfg.env))
     command = _command(cfg, [])
     outcomes = []
     for tree in (bug_tree, gold_tree):
@@ -274,7 +271,4 @@ def derive_tests(bug_tree: Path, gold_tree: Path, cfg: ImportConfig,
             for cmd in cfg.setup:
                 sb.exec(cmd, timeout_s=cfg.timeout_s)
             outcomes.append(suite_outcomes(sb, Path(empty), command, cfg.timeout_s))
-    before, after = outcomes
-    f2p = tuple(sorted(t for t, o in after.items() if o == "passed" and before.get(t) != "passed"))
-    p2p = tuple(sorted(t for t, o in after.items() if o == "passed" and before.get(t) == "passed"))
-    return f2p, p2p
+    return split_outcomes(*outcomes)
