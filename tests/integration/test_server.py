@@ -17,8 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from opencomposer.inference.engine import Engine, EngineConfig, checksum  # noqa: E402
+from opencomposer.inference.engine import Engine, EngineConfig  # noqa: E402
 from opencomposer.inference.server import Server, ServeConfig, load_served  # noqa: E402
+from opencomposer.inference.weights import checksum  # noqa: E402
 from opencomposer.model.cache import KVCache  # noqa: E402
 from opencomposer.model.deepseek import DeepseekModel, preset  # noqa: E402
 from opencomposer.model.hf import save_model  # noqa: E402
@@ -85,6 +86,24 @@ def test_models_health_and_metrics(llama_server, client):
     assert float(text.split("\nopencomposer_generated_tokens_total ")[1].split()[0]) >= \
         before + r.usage.completion_tokens >= 1
 
+
+
+def test_prefix_cache_hits_are_reported_as_openai_does(llama_server, client):
+    """A follow-up turn (the conversation so far + a new message) reuses the cached KV: the official
+    client reads usage.prompt_tokens_details.cached_tokens, and /metrics shows the hit rate."""
+    srv, _ = llama_server
+    first = client.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=4, temperature=0.0)
+    ids = first.choices[0].model_extra["opencomposer"]["token_ids"]  # the harness sends its turns back as sampled
+    follow = MSG + [{"role": "assistant", "content": first.choices[0].message.content or "",
+                     "opencomposer": {"token_ids": ids}}, {"role": "user", "content": "and subtract?"}]
+    again = client.chat.completions.create(model="tiny-llama", messages=follow, max_tokens=4, temperature=0.0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    # everything the first request computed: its prompt and its completion but the last token
+    assert cached == first.usage.prompt_tokens + len(ids) - 1 < again.usage.prompt_tokens
+    assert again.choices[0].model_extra["opencomposer"]["cached_tokens"] == cached
+    text = urllib.request.urlopen(srv.url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    rate = float(text.split("\nopencomposer_prefix_cache_hit_rate ")[1].split()[0])
+    assert 0 < rate < 1 and "opencomposer_prefix_cache_evictions_total" in text
 
 def test_chat_returns_tokens_logprobs_and_versions(llama_server, client, tokenizer):
     srv, _ = llama_server

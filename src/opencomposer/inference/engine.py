@@ -1,8 +1,12 @@
 """The sampling engine: continuous batching over a slot KV cache, with everything RL needs per token.
 
-One engine owns one model. Requests wait in a FIFO; a request of n samples (the G rollouts of one
-prompt) is prefilled once and its cache copied into n slots (prefix sharing). Each `step()` admits
-what fits, then decodes every running sequence in one batched forward. For each sampled token the
+One engine owns one model. Requests wait in a bounded queue; a request of n samples (the G rollouts
+of one prompt) is prefilled once and its cache copied into n slots. A prefix cache
+(`inference/prefix_cache.py`) keeps the KV of earlier prompts and completions across requests, so a
+request prefills only what is not cached. Each `step()` admits waiting requests (those with the
+longest cached prefix first, none overtaken more than `fairness` times), prefills a bounded chunk of
+prompt tokens (a long prompt is spread over several steps so running sequences keep decoding), then
+decodes every running sequence in one batched forward. For each sampled token the
 engine records its log-probability, the policy version of the weights that produced it, and — for
 MoE models — the experts every layer routed its input token to (report §4 router replay).
 
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opencomposer.inference.sampling import SamplingParams, distribution, sample, speculative_accept, token_info
+from opencomposer.inference.prefix_cache import Match, PrefixCache
+from opencomposer.inference.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +76,25 @@ class Sequence:
     server learns of progress without polling."""
     # speculative decoding: (main hidden at position i, token i+1) pairs the MTP has not seen yet
     pending: list = field(default_factory=list)
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of a prefill."""
+    prefix_version: int | None = None
+    """The oldest policy version of that reused KV (older than `versions` only when the engine keeps
+    stale prefixes across weight updates): how stale the context each token was sampled from is."""
+    kv_version: int = 0
+    """The oldest policy version of anything in this sequence's KV."""
+    match: Match | None = None  # the prefix-cache path this sequence holds a reference on
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     prompt: list[int]
     seqs: list[Sequence]
+    skipped: int = 0  # times a later request was admitted first
+    slots: list[int] = field(default_factory=list)
+    done: int = 0  # prompt tokens whose KV is in the first slot
+    experts: list = field(default_factory=list)
+    mtp_h: torch.Tensor | None = None  # the main hidden state of the last prefilled position
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,7 +106,17 @@ class EngineConfig:
     detokenize_every: int = 1
     """Check stop strings every this many tokens."""
     prefill_tokens: int = 8192
-    """Most prompt tokens prefilled in one forward (equal-length prompts are batched)."""
+    """Most prompt tokens prefilled in one step while nothing decodes (equal-length chunks are batched)."""
+    prefill_chunk: int = 512
+    """Most prompt tokens prefilled in one step while other sequences decode: a long prompt is spread
+    over several steps instead of stalling the batch."""
+    prefix_cache_mb: int = 1024
+    """Memory for KV kept across requests (the prefix cache); 0 turns it off."""
+    keep_stale_prefix: bool = False
+    """Keep cached KV across a weight update (PipelineRL-style: the next requests reuse context computed
+    by older weights, recorded per sequence as `prefix_version`); default: an update clears the cache."""
+    fairness: int = 8
+    """A waiting request is overtaken by better-cached (or smaller) ones at most this many times."""
     speculative: bool = False
     """MTP speculative decoding: the model's first MTP head drafts one token per step, the main
     model verifies it in the same forward as the next one (models with MTP heads only)."""
@@ -113,6 +141,8 @@ class Engine:
         self.mtp_cache = model.new_cache(self.config.slots, self.max_len) if self.spec else None
         self._free = list(range(self.config.slots))
         self._waiting: deque[_Group] = deque()
+        self._prefilling: list[_Group] = []
+        self.prefix = PrefixCache(self.config.prefix_cache_mb << 20) if self.config.prefix_cache_mb > 0 else None
         self._running: dict[int, Sequence] = {}
         self._cond = threading.Condition()
         self._update: tuple[dict, int] | None = None
@@ -120,7 +150,8 @@ class Engine:
         self._stop = False
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0,
                       "decode_seconds": 0.0, "weight_updates": 0, "aborted": 0,
-                      "drafted": 0, "accepted": 0}
+                      "drafted": 0, "accepted": 0, "cached_prompt_tokens": 0, "prefill_forwards": 0,
+                      "prefill_seconds": 0.0}
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, n: int = 1) -> list[Sequence]:
@@ -154,7 +185,8 @@ class Engine:
     def load(self) -> dict:
         """What a server needs to know of the engine's occupancy (read under the lock)."""
         with self._cond:
-            return {"running": len(self._running), "waiting": sum(len(g.seqs) for g in self._waiting),
+            return {"running": len(self._running) + sum(len(g.seqs) for g in self._prefilling),
+                    "waiting": sum(len(g.seqs) for g in self._waiting),
                     "slots": self.config.slots, "max_waiting": self.config.max_waiting,
                     "alive": self._thread is not None and self._thread.is_alive() and not self._stop}
 
@@ -229,6 +261,8 @@ class Engine:
             return
         tensors, version = upd
         t0 = time.perf_counter()
+        if self.prefix is not None and not self.config.keep_stale_prefix:
+            self.prefix.clear()  # KV computed by the old weights is stale
         state = self.model.state_dict()
         with torch.no_grad():
             for name, t in tensors.items():
@@ -240,19 +274,15 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._update)
+        return bool(self._waiting or self._prefilling or self._running or self._update)
 
     def step(self) -> None:
-        """Apply a pending weight update, admit waiting groups, decode one token for all running."""
+        """Apply a pending weight update, admit waiting requests, prefill one chunk, decode one token
+        for every running sequence."""
         self._apply_update()
         self._reap()
-        with self._cond:
-            admit = []
-            while self._waiting and len(self._waiting[0].seqs) <= len(self._free):
-                g = self._waiting.popleft()
-                slots = [self._free.pop(0) for _ in g.seqs]
-                admit.append((g, slots))
-        self._prefill(admit)
+        self._admit()
+        self._prefill()
         self._decode()
 
     def _reap(self) -> None:
@@ -262,51 +292,147 @@ class Engine:
                     self._waiting.remove(g)
                     for s in g.seqs:
                         self._finish(s, "abort")
+            for g in list(self._prefilling):
+                if all(s.aborted for s in g.seqs):
+                    self._drop_prefill(g, "abort")
             for slot, s in list(self._running.items()):
                 if s.aborted:
                     self._finish(s, "abort")
 
-    @torch.no_grad()
-    def _prefill(self, admit: list[tuple[_Group, list[int]]]) -> None:
-        """Prompts of equal length are prefilled together in one forward (up to
-        `prefill_tokens` tokens); each group's first slot is then copied to its other slots."""
-        buckets: dict[int, list[tuple[_Group, list[int]]]] = {}
-        for g, slots in admit:
-            buckets.setdefault(len(g.prompt), []).append((g, slots))
-        for length, items in buckets.items():
-            per = max(1, self.config.prefill_tokens // length)
-            for i in range(0, len(items), per):
-                self._prefill_batch(items[i:i + per])
+    def _drop_prefill(self, g: _Group, reason: str, error: str | None = None) -> None:
+        """End a group that is still prefilling (called with the condition held)."""
+        self._prefilling.remove(g)
+        for s in g.seqs:
+            s.error = error
+            if s.match is not None:
+                self.prefix.lock(s.match, -1)
+                s.match = None
+            self._finish(s, reason)
+        self.cache.reset(g.slots)
+        if self.mtp_cache is not None:
+            self.mtp_cache.reset(g.slots)
+        self._free = sorted(self._free + g.slots)
 
-    def _prefill_batch(self, items: list[tuple[_Group, list[int]]]) -> None:
-        cache = self.cache
-        firsts = [slots[0] for _, slots in items]
-        every = [s for _, slots in items for s in slots]
-        cache.reset(every)
-        order = sorted(range(len(items)), key=lambda i: firsts[i])  # ascending slots: a view, not a copy
-        items = [items[i] for i in order]
-        ids = torch.tensor([g.prompt for g, _ in items])
-        rows = [slots[0] for _, slots in items]
-        out = self.model.run(ids, cache=cache, rows=rows, logits="last")
-        if self.spec:  # the MTP sees (h_i, token i+1) for the prompt; the last pair waits for the sample
-            self.mtp_cache.reset(every)
-            if ids.shape[1] > 1:
-                self.model.mtp_step(out.hidden[:, :-1], ids[:, 1:], self.mtp_cache, rows)
-        for b, (g, slots) in enumerate(items):
-            if len(slots) > 1:
-                cache.copy(slots[0], slots[1:])
-                if self.spec:
-                    self.mtp_cache.copy(slots[0], slots[1:])
-            self.stats["prompt_tokens"] += len(g.prompt)
-            experts = out.routed_experts[b].tolist() if out.routed_experts is not None else None
-            for s, slot in zip(g.seqs, slots):
-                s.slot = slot
-                if experts is not None:
-                    s.experts = list(experts)
-                self._running[slot] = s
-                self._emit(s, out.logits[b, -1])
-                if self.spec:
-                    s.pending = [(out.hidden[b, -1], s.tokens[-1])]
+    def _match(self, g: _Group) -> Match | None:
+        return self.prefix.match(g.prompt, len(g.prompt) - 1) if self.prefix is not None else None
+
+    def _admit(self) -> None:
+        """Waiting groups that fit the free slots start prefilling: the longest cached prefix first
+        (cache-aware, as SGLang's longest-prefix-match policy), arrival order otherwise; a group
+        passed over `fairness` times goes first and holds back everything behind it until it fits."""
+        with self._cond:
+            if not self._waiting:
+                return
+            cand = list(itertools.islice(self._waiting, 64))
+            matches = {id(g): self._match(g) for g in cand}
+            starved = [g for g in cand if g.skipped >= self.config.fairness]
+            order = starved or sorted(cand, key=lambda g: -(matches[id(g)].length if matches[id(g)] else 0))
+            admitted = []
+            for g in order:
+                if len(g.seqs) > len(self._free):
+                    if g.skipped >= self.config.fairness:
+                        break
+                    continue
+                g.slots = [self._free.pop(0) for _ in g.seqs]
+                admitted.append(g)
+            if not admitted:
+                return
+            last = max(cand.index(g) for g in admitted)
+            for g in cand[:last]:
+                if g not in admitted:
+                    g.skipped += 1
+            for g in admitted:
+                self._waiting.remove(g)
+        for g in admitted:
+            self._start_prefill(g, matches[id(g)])
+
+    def _start_prefill(self, g: _Group, m: Match | None) -> None:
+        """Copy the group's cached prefix into its first slot; the rest is prefilled chunk by chunk.
+        With speculative decoding one matched token is recomputed: the MTP's next entry needs the main
+        model's hidden state at the last cached position, which the cache does not keep."""
+        self.cache.reset(g.slots)
+        if self.mtp_cache is not None:
+            self.mtp_cache.reset(g.slots)
+        use = 0 if m is None else (max(m.length - 1, 0) if self.spec else m.length)
+        if use:
+            g.experts = self.prefix.load(m, self.cache, g.slots[0], upto=use, mtp_cache=self.mtp_cache)
+        g.done = use
+        version = self.version if not use else min(self.version, m.version)
+        for s in g.seqs:
+            s.cached_tokens, s.kv_version = use, version
+            s.prefix_version = m.version if use else None
+            if m is not None and m.path:
+                s.match = m
+                self.prefix.lock(m)
+        self.stats["cached_prompt_tokens"] += use
+        self._prefilling.append(g)
+
+    @torch.no_grad()
+    def _prefill(self) -> None:
+        """One step's share of prompt tokens: `prefill_chunk` while anything decodes, else
+        `prefill_tokens`; groups in arrival order, equal-length chunks in one forward."""
+        if not self._prefilling:
+            return
+        decoding = any(s.finish_reason is None for s in self._running.values())
+        budget = self.config.prefill_chunk if decoding else self.config.prefill_tokens
+        buckets: dict[int, list[_Group]] = {}
+        for g in list(self._prefilling):
+            if budget <= 0:
+                break
+            c = min(len(g.prompt) - g.done, budget)
+            buckets.setdefault(c, []).append(g)
+            budget -= c
+        for c, items in buckets.items():
+            self._prefill_chunk(sorted(items, key=lambda g: g.slots[0]), c)
+
+    def _prefill_chunk(self, items: list[_Group], c: int) -> None:
+        t0 = time.perf_counter()
+        ids = torch.tensor([g.prompt[g.done:g.done + c] for g in items])
+        rows = [g.slots[0] for g in items]  # ascending: a view of the cache, not a copy
+        final = any(g.done + c == len(g.prompt) for g in items)
+        out = self.model.run(ids, cache=self.cache, rows=rows, logits="last" if final else False)
+        self.stats["prefill_forwards"] += 1
+        self.stats["prompt_tokens"] += ids.numel()
+        for b, g in enumerate(items):
+            if out.routed_experts is not None:
+                g.experts.extend(out.routed_experts[b].tolist())
+            if self.spec:  # the MTP sees (h_i, token i+1); the chunk's last pair waits for the next token
+                h, nxt = out.hidden[b:b + 1], ids[b:b + 1]
+                if g.mtp_h is not None:
+                    h = torch.cat([g.mtp_h[None, None], h[:, :-1]], 1)
+                else:
+                    h, nxt = h[:, :-1], nxt[:, 1:]
+                if nxt.shape[1]:
+                    self.model.mtp_step(h, nxt, self.mtp_cache, [g.slots[0]])
+                g.mtp_h = out.hidden[b, -1]
+            g.done += c
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        for b, g in enumerate(items):
+            if g.done == len(g.prompt):
+                self._prefilled(g, out, b)
+
+    def _prefilled(self, g: _Group, out, b: int) -> None:
+        """The whole prompt is in the first slot: keep it in the prefix cache, copy it to the
+        group's other slots, and sample every sequence's first token."""
+        first = g.slots[0]
+        with self._cond:
+            self._prefilling.remove(g)
+        s0 = g.seqs[0]
+        if self.prefix is not None and (s0.kv_version == self.version or self.config.keep_stale_prefix):
+            self.prefix.insert(g.prompt, self.cache, first, s0.kv_version,
+                               experts=g.experts if self.is_moe else None, mtp_cache=self.mtp_cache)
+        if len(g.slots) > 1:
+            self.cache.copy(first, g.slots[1:])
+            if self.spec:
+                self.mtp_cache.copy(first, g.slots[1:])
+        for s, slot in zip(g.seqs, g.slots):
+            s.slot = slot
+            if self.is_moe:
+                s.experts = list(g.experts)
+            self._running[slot] = s
+            self._emit(s, out.logits[b, -1])
+            if self.spec:
+                s.pending = [(out.hidden[b, -1], s.tokens[-1])]
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -317,7 +443,9 @@ class Engine:
         live.sort(key=lambda s: s.slot)
         rows = torch.tensor([s.slot for s in live])
         if self.spec and all(len(s.prompt) + len(s.tokens) + 2 <= self.max_len for s in live):
-            self._speculate(live, rows)
+            from opencomposer.inference.speculative import speculate
+
+            speculate(self, live, rows)
         else:
             ids = torch.tensor([[s.tokens[-1]] for s in live])
             out = self.model.run(ids, cache=self.cache, rows=rows, logits="last")
@@ -331,52 +459,9 @@ class Engine:
         self.stats["decode_seconds"] += time.perf_counter() - t0
 
     def _draft_logits(self, live: list[Sequence]) -> torch.Tensor:
-        """Feed every row's pending (hidden, next token) pairs to the MTP, oldest first, in waves
-        aligned at the newest pair (rows have 1 or 2 pending); the last wave's logits are the
-        drafts' distributions. Returns (R, V)."""
-        depth = max(len(s.pending) for s in live)
-        logits = None
-        for w in range(depth):
-            idx = [i for i, s in enumerate(live) if len(s.pending) >= depth - w]
-            pairs = [live[i].pending[len(live[i].pending) - (depth - w)] for i in idx]
-            h = torch.stack([p[0] for p in pairs])[:, None]
-            nxt = torch.tensor([[p[1]] for p in pairs])
-            out = self.model.mtp_step(h, nxt, self.mtp_cache, [live[i].slot for i in idx])
-            if w == depth - 1:
-                logits = out[:, 0]
-        for s in live:
-            s.pending = []
-        return logits
+        from opencomposer.inference.speculative import draft_logits
 
-    def _speculate(self, live: list[Sequence], rows: torch.Tensor) -> None:
-        q_logits = self._draft_logits(live)
-        drafts, qs = [], []
-        for i, s in enumerate(live):
-            q = distribution(q_logits[i], s.params)
-            qs.append(q)
-            drafts.append(int(q.argmax()) if s.params.temperature == 0 else
-                          int(torch.multinomial(q, 1, generator=s.gen)))
-        ids = torch.tensor([[s.tokens[-1], d] for s, d in zip(live, drafts)])
-        out = self.model.run(ids, cache=self.cache, rows=rows)
-        self.stats["drafted"] += len(live)
-        for i, s in enumerate(live):
-            p = distribution(out.logits[i, 0], s.params)
-            ok, tok = speculative_accept(p, qs[i], drafts[i], s.gen)
-            if out.routed_experts is not None:
-                s.experts.append(out.routed_experts[i, 0].tolist())
-            self._append(s, tok, *token_info(out.logits[i, 0], s.params, tok))
-            if not ok:
-                if s.finish_reason is None:
-                    self.cache.lengths[s.slot] -= 1  # drop the rejected draft's KV
-                    s.pending = [(out.hidden[i, 0], tok)]
-                continue
-            self.stats["accepted"] += 1
-            if s.finish_reason is not None:
-                continue
-            if out.routed_experts is not None:
-                s.experts.append(out.routed_experts[i, 1].tolist())
-            self._emit(s, out.logits[i, 1])
-            s.pending = [(out.hidden[i, 0], tok), (out.hidden[i, 1], s.tokens[-1])]
+        return draft_logits(self, live)
 
     def _emit(self, s: Sequence, logits: torch.Tensor) -> None:
         self._append(s, *sample(logits, s.params, s.gen))
@@ -417,6 +502,7 @@ class Engine:
             self.stats["aborted"] += 1
         if s.slot is not None and self._running.get(s.slot) is s:
             del self._running[s.slot]
+            self._keep(s, reason)
             self.cache.reset([s.slot])
             if self.mtp_cache is not None:
                 self.mtp_cache.reset([s.slot])
@@ -426,6 +512,23 @@ class Engine:
         s.events.put(None)
         for w in s.watchers:
             w()
+
+    def _keep(self, s: Sequence, reason: str) -> None:
+        """A finished sequence's KV (prompt + completion) goes into the prefix cache: the next turn
+        of its episode starts with exactly these tokens."""
+        if self.prefix is None:
+            return
+        if s.match is not None:
+            self.prefix.lock(s.match, -1)
+            s.match = None
+        if reason == "error" or (s.kv_version != self.version and not self.config.keep_stale_prefix):
+            return
+        n = int(self.cache.lengths[s.slot])
+        if self.spec:  # MTP entries run one behind: keep only positions both caches hold
+            n = min(n, int(self.mtp_cache.lengths[s.slot]) + 1)
+        full = s.prompt + s.tokens
+        self.prefix.insert(full[:n], self.cache, s.slot, s.kv_version,
+                           experts=s.experts[:n] if s.experts is not None else None, mtp_cache=self.mtp_cache)
 
     # -- background thread ------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -455,39 +558,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - fail the sequences, keep serving
                 log.exception("engine step failed")
                 with self._cond:
+                    for g in list(self._prefilling):
+                        self._drop_prefill(g, "error", f"{type(e).__name__}: {e}")
                     for s in list(self._running.values()):
                         s.error = f"{type(e).__name__}: {e}"
                         self._finish(s, "error")
 
-
-def read_update(folder, model) -> dict[str, torch.Tensor]:
-    """Read a weight update (a Hugging Face folder's safetensors) for `Engine.update_weights`;
-    unreadable files are named."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files:
-        raise WeightUpdateError(f"{folder}: no .safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except Exception as e:  # noqa: BLE001
-            raise WeightUpdateError(f"{f}: unreadable safetensors ({e})") from None
-    return tensors
-
-
-def checksum(folder) -> str:
-    """sha256 over the folder's safetensors files in name order (what an update request quotes)."""
-    import hashlib
-    from pathlib import Path
-
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()

@@ -25,10 +25,9 @@ from opencomposer.inference.engine import (
     EngineError,
     Sequence,
     WeightUpdateError,
-    checksum,
-    read_update,
 )
 from opencomposer.inference.sampling import SamplingError, SamplingParams
+from opencomposer.inference.weights import checksum, read_update
 
 TOOL_OPEN = "<tool_call>"
 
@@ -164,7 +163,9 @@ class Frontend:
 
     def extension(self, s: Sequence, body: dict) -> dict:
         ext = {"token_ids": s.tokens, "prompt_token_ids": s.prompt, "logprobs": s.logprobs,
-               "policy_versions": s.versions}
+               "policy_versions": s.versions, "cached_tokens": s.cached_tokens}
+        if s.prefix_version is not None:
+            ext["prefix_version"] = s.prefix_version  # the oldest weights the reused KV came from
         if s.experts is not None and body.get("return_routed_experts", True):
             ext["routed_experts"] = s.experts
         return ext
@@ -226,8 +227,12 @@ class Frontend:
                 "opencomposer": self.extension(s, body)}
 
     def usage(self, prompt: list[int], seqs: list[Sequence]) -> dict:
+        """OpenAI's usage block; `cached_tokens` counts prompt tokens served from the prefix cache
+        (the n samples of one request share one prefill, so it is the group's)."""
         c = sum(len(s.tokens) for s in seqs)
-        return {"prompt_tokens": len(prompt), "completion_tokens": c, "total_tokens": len(prompt) + c}
+        cached = seqs[0].cached_tokens if seqs else 0
+        return {"prompt_tokens": len(prompt), "completion_tokens": c, "total_tokens": len(prompt) + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def metrics_text(self) -> str:
         st = self.engine.stats
@@ -247,6 +252,21 @@ class Frontend:
         metric("spec_drafted_total", "counter", st["drafted"], "MTP draft tokens proposed")
         metric("spec_accepted_total", "counter", st["accepted"], "MTP draft tokens accepted")
         metric("policy_version", "gauge", self.engine.version, "the served weights' version")
+        metric("prefill_seconds_total", "counter", round(st["prefill_seconds"], 6), "time in prefill forwards")
+        metric("prompt_tokens_cached_total", "counter", st["cached_prompt_tokens"],
+               "prompt tokens served from the prefix cache instead of prefilled")
+        seen = st["prompt_tokens"] + st["cached_prompt_tokens"]
+        metric("prefix_cache_hit_rate", "gauge", round(st["cached_prompt_tokens"] / seen, 6) if seen else 0.0,
+               "share of prompt tokens served from the prefix cache")
+        pc = self.engine.prefix
+        if pc is not None:
+            metric("prefix_cache_tokens", "gauge", pc.tokens, "tokens held by the prefix cache")
+            metric("prefix_cache_bytes", "gauge", pc.nbytes, "bytes held by the prefix cache")
+            metric("prefix_cache_budget_bytes", "gauge", pc.budget, "the prefix cache's memory budget")
+            metric("prefix_cache_evictions_total", "counter", pc.stats["evictions"], "prefix-cache nodes evicted")
+            metric("prefix_cache_evicted_tokens_total", "counter", pc.stats["evicted_tokens"], "tokens evicted")
+            metric("prefix_cache_refused_total", "counter", pc.stats["refused"],
+                   "insertions refused (larger than the budget, or everything left in use)")
         load = self.engine.load()
         metric("running", "gauge", load["running"], "sequences decoding")
         metric("waiting", "gauge", load["waiting"], "sequences queued")

@@ -37,8 +37,8 @@ def run(cfg: InferenceStageConfig, run_dir: RunDir, metrics: MetricsWriter) -> d
     import openai
     import torch
 
-    from opencomposer.inference.engine import checksum
     from opencomposer.inference.server import ServeConfig, Server, load_served
+    from opencomposer.inference.weights import checksum
     from opencomposer.model.hf import save_model
     from opencomposer.model.interop import import_default
     from opencomposer.model.loss import token_logprobs

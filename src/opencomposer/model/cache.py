@@ -69,6 +69,27 @@ class KVCache:
                     t[d, :, :n] = t[src, :, :n]
         self.lengths[d] = n
 
+    def read(self, slot: int, start: int, end: int) -> list[tuple[torch.Tensor, ...] | None]:
+        """Copies of one slot's cached tensors at positions [start, end), per layer (each (H, n, D));
+        None for a layer this cache never stored (an MTP layer in the main cache). What the prefix
+        cache keeps after a request."""
+        if end > int(self.lengths[slot]) or start < 0:
+            raise CacheError(f"slot {slot} holds {int(self.lengths[slot])} positions; [{start}, {end}) asked")
+        return [None if st is None else tuple(t[slot, :, start:end].clone() for t in st) for st in self._store]
+
+    def put(self, slot: int, start: int, layers: list[tuple[torch.Tensor, ...] | None]) -> None:
+        """Write per-layer tensors (H, n, D) at positions [start, start + n) of one slot, the slot's
+        length becoming start + n: a prefix-cache hit copied in instead of prefilled."""
+        n = next((t[0].shape[1] for t in layers if t is not None), 0)
+        if start + n > self.max_len:
+            raise CacheError(f"{start + n} positions exceed the cache's max_len {self.max_len}")
+        for layer, new in enumerate(layers):
+            if new is not None:
+                self._grow(start + n, tuple(x[None] for x in new), layer)
+                for st, x in zip(self._store[layer], new):
+                    st[slot, :, start:start + n] = x.to(st.dtype)
+        self.lengths[slot] = start + n
+
     # -- storage ----------------------------------------------------------------------------------
     def _grow(self, need: int, like: tuple[torch.Tensor, ...], layer: int) -> None:
         if need > self._cap:
