@@ -103,6 +103,19 @@ def test_sampling_filters_and_validation():
             SamplingParams(**bad).validate()
 
 
+
+def test_draw_follows_the_distribution_and_never_picks_zero_mass():
+    from opencomposer.inference.sampling import draw
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    counts = torch.zeros(6)
+    for _ in range(20000):
+        counts[draw(p, gen)] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    assert (counts / counts.sum() - p).abs().max() < 0.015
+    assert draw(torch.tensor([0.0, 1.0, 0.0]), gen) == 1
+
 def test_bad_requests_and_limits():
     engine = Engine(llama(), config=EngineConfig(slots=2, max_len=16))
     with pytest.raises(EngineError, match="context is 16"):

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="benchmarks").add_subparsers(dest="sub", required=True)
     er = ev.add_parser("run", help="run the harness on every task and grade it")
     er.add_argument("--tasks", default="default", help="dataset folder, a task folder, or 'default'")
-    er.add_argument("--model", required=True, help="oracle, noop, a base URL (…/v1) or a model name")
+    er.add_argument("--model", required=True, help="oracle, noop, demonstration, a base URL (…/v1) or a model name")
     er.add_argument("--model-name")
     er.add_argument("--split")
     er.add_argument("--passes", type=int, default=1)

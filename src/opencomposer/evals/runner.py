@@ -103,6 +103,10 @@ def policy_factory(model: str, model_name: str | None = None,
         return oracle_policy
     if model == "noop":
         return noop_policy
+    if model == "demonstration":
+        from opencomposer.evals.demonstration import demonstration_policy
+
+        return demonstration_policy
     from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
 
     base_url, name = resolve_model(model, model_name)

@@ -61,6 +61,12 @@ class ServeConfig:
     admin_token: str | None = None
     speculative: bool = False
     """MTP speculative decoding (models with MTP heads)."""
+    prefix_cache_mb: int = 1024
+    """Memory for KV kept across requests (0: no prefix cache)."""
+    keep_stale_prefix: bool = False
+    """Keep cached KV across weight updates (each response records the version it came from)."""
+    prefill_chunk: int = 512
+    """Prompt tokens prefilled per step while other requests decode."""
     request_timeout_s: float = 600.0
     body_timeout_s: float = 30.0
     """A request body must arrive within this (slow-loris bodies get 408)."""

@@ -74,9 +74,14 @@ def token_info(logits: torch.Tensor, params: SamplingParams, tok: int) -> tuple[
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One index distributed as `probs`, by inverting the CDF with one uniform draw. (torch.multinomial
+    draws an exponential per vocabulary entry: 1.9 ms for 49k entries here, against 0.07 ms for a
+    cumsum and a binary search — at batch 32 that was 60 ms of every decode step.)"""
     if float(probs.max()) >= 1.0:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=gen))
+    cdf = probs.cumsum(0)
+    u = (1.0 - torch.rand((), generator=gen, dtype=cdf.dtype)) * cdf[-1]  # in (0, total]: never a zero-mass entry
+    return min(int(torch.searchsorted(cdf, u.view(1))), probs.numel() - 1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,

@@ -329,8 +329,9 @@ class Server:
 
 
 def load_served(folder: Path, *, slots: int = 32, max_len: int | None = None, speculative: bool = False,
-                max_waiting: int = 256) -> tuple[Engine, Any]:
-    """A model folder -> (engine, tokenizer). The folder must carry its tokenizer.json."""
+                max_waiting: int = 256, **engine_options) -> tuple[Engine, Any]:
+    """A model folder -> (engine, tokenizer). The folder must carry its tokenizer.json;
+    `engine_options` are further EngineConfig fields (prefix_cache_mb, prefill_chunk, ...)."""
     from opencomposer.model.errors import ModelLoadError
     from opencomposer.model.hf import load_model
     from opencomposer.tokenizer.bpe import Tokenizer
@@ -343,7 +344,7 @@ def load_served(folder: Path, *, slots: int = 32, max_len: int | None = None, sp
     eos = tuple(t for t in (tok.eos_id,) if t is not None)
     try:
         engine = Engine(model, config=EngineConfig(slots=slots, max_len=max_len, speculative=speculative,
-                                                   max_waiting=max_waiting),
+                                                   max_waiting=max_waiting, **engine_options),
                         eos_ids=eos, decode=tok.decode)
     except EngineError as e:
         raise ModelLoadError(f"{folder}: {e}") from None
@@ -359,5 +360,6 @@ def make_server(cfg: ServeConfig, default_folder: Path) -> Server:
 
             import_default(folder)
     engine, tok = load_served(Path(folder), slots=cfg.slots, max_len=cfg.max_len, speculative=cfg.speculative,
-                              max_waiting=cfg.max_waiting)
+                              max_waiting=cfg.max_waiting, prefix_cache_mb=cfg.prefix_cache_mb,
+                              keep_stale_prefix=cfg.keep_stale_prefix, prefill_chunk=cfg.prefill_chunk)
     return Server(engine, tok, cfg.name or Path(folder).name, cfg)

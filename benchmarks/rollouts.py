@@ -1,0 +1,252 @@
+"""Rollout throughput on real agent episodes: our server with the prefix cache on and off, against
+plain `transformers` generate re-prefilling every turn; and raw decode against `transformers` and
+against this machine's roofline, measured in the same run.
+
+    .venv/bin/python benchmarks/rollouts.py [--rounds 3] [--episodes 8] [--concurrency 4] [--turn-tokens 32]
+                                            # writes "rollouts" in docs/benchmarks.md
+
+Episodes: the bundled benchmark's tasks (colorsys and graphlib bug fixes), the harness's default
+tool set and system prompt, real sandboxes, graded at the end. The base model stops after a turn,
+so each episode follows the task's demonstration (`evals/demonstration.py`: grep, read, edit,
+compile, answer — five turns): every turn the harness sends the conversation so far to the policy
+under test, which generates up to --turn-tokens tokens (greedy; measured, then discarded), and the
+demonstration's turn is what the harness executes. What each policy sees is therefore exactly what
+the harness sends, and the same for all three:
+- `cache on` / `cache off`: SmolLM2-135M behind our server (the official `openai` client through
+  `OpenAIPolicy`), --concurrency episodes in flight, prefix cache on or off;
+- `transformers`: the same rendering (our ChatRenderer, so the same prompt ids) fed to
+  `AutoModelForCausalLM.generate` one request at a time (what a user of plain transformers gets;
+  its episodes still run --concurrency at a time, so sandbox work overlaps).
+
+Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
+the first (prefill excluded) for ours and transformers. The bound: a decode step must read every
+weight once plus the batch's KV, and do 2 FLOPs per weight per row; with the memory bandwidth
+(a float32 sum over 512 MB) and FLOP/s (a 2048^3 float32 matmul) measured here, bound = B / max(bytes /
+bandwidth, flops / FLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from corpus import write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES = (1, 8, 32)
+
+
+def median_time(fn, n: int) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def machine_bound() -> tuple[float, float]:
+    """(bytes/s of a streaming read, float32 matmul FLOP/s) on the current torch threads."""
+    x = torch.randn(128 * 1024 * 1024)
+    bw = x.numel() * 4 / median_time(lambda: x.sum(), 5)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    fl = 2 * 2048 ** 3 / median_time(lambda: a @ b, 5)
+    return bw, fl
+
+
+# -- decode -------------------------------------------------------------------------------------------
+def ours_decode(model, prompts: torch.Tensor, new: int) -> float:
+    from opencomposer.inference.engine import Engine, EngineConfig
+    from opencomposer.inference.sampling import SamplingParams
+
+    engine = Engine(model, config=EngineConfig(slots=prompts.shape[0], max_len=prompts.shape[1] + new + 1))
+    seqs = [engine.submit(p.tolist(), SamplingParams(temperature=0.0, max_tokens=new))[0] for p in prompts]
+    engine.step()  # prefill + the first token
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    assert all(len(s.tokens) == new for s in seqs)
+    return time.perf_counter() - t
+
+
+def hf_decode(model, prompts: torch.Tensor, new: int) -> float:
+    def gen(n):
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+    return max(gen(new) - gen(1), 1e-9)
+
+
+def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]:
+    import transformers
+
+    from opencomposer.model.hf import load_model
+
+    mine = load_model(folder).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    cfg = mine.config
+    params = sum(p.numel() for p in mine.parameters())  # tied head: the embedding is read once, as the head
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    new, plen = 32, 64
+    res = {(impl, b): [] for impl in ("ours", "transformers") for b in BATCHES}
+    for r in range(rounds):
+        g = torch.Generator().manual_seed(r)
+        for b in BATCHES:
+            prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
+            order = [("ours", lambda: ours_decode(mine, prompts, new)), ("transformers", lambda: hf_decode(ref, prompts, new))]
+            for impl, fn in order if r % 2 == 0 else order[::-1]:
+                res[(impl, b)].append(b * (new - 1) / fn())
+                print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
+    lines = ["| batch | ours tok/s | transformers tok/s | ours / transformers | roofline bound tok/s | ours / bound |",
+             "|---|---|---|---|---|---|"]
+    for b in BATCHES:
+        o, h = statistics.median(res[("ours", b)]), statistics.median(res[("transformers", b)])
+        ctx = plen + new // 2
+        step = max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
+        bound = b / step
+        lines.append(f"| {b} | {o:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | **{o / bound:.2f}** |")
+    return lines
+
+
+# -- episodes -----------------------------------------------------------------------------------------
+class ReplayWithGeneration:
+    """Each turn: the conversation goes to `generate` (the policy under test; its output is timed
+    and discarded), and the demonstration's next turn is returned to the harness."""
+
+    def __init__(self, task, generate, name: str):
+        from opencomposer.evals.demonstration import demonstration_policy
+
+        self.demo = demonstration_policy(task)
+        self.generate = generate
+        self.name = name
+
+    def complete(self, messages, tools):
+        self.generate(messages, tools)
+        return self.demo.complete(messages, tools)
+
+
+def run_episodes(tasks: Path, factory, args, out: Path) -> tuple[float, dict]:
+    from opencomposer.evals.runner import EvalConfig, run_eval
+
+    t = time.perf_counter()
+    summary = run_eval(EvalConfig(tasks=tasks, passes=1, concurrency=args.concurrency, max_tasks=args.episodes),
+                       factory, out)
+    return time.perf_counter() - t, summary
+
+
+def served(folder: Path, tasks: Path, cache: bool, args, out: Path) -> dict:
+    from opencomposer.harness.openai_policy import OpenAIPolicy
+    from opencomposer.inference.server import ServeConfig, Server, load_served
+
+    engine, tok = load_served(folder, slots=max(4, args.concurrency), max_len=8192,
+                              prefix_cache_mb=2048 if cache else 0)
+    with Server(engine, tok, "smol", ServeConfig(port=0)) as srv:
+        pol = OpenAIPolicy(base_url=srv.url, model="smol", temperature=0.0, max_tokens=args.turn_tokens,
+                           timeout_s=1800)
+        secs, summary = run_episodes(tasks, lambda task: ReplayWithGeneration(task, pol.complete, "served"),
+                                     args, out)
+        st = dict(engine.stats)
+    return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"],
+            "prefill": st["prompt_tokens"], "cached": st["cached_prompt_tokens"], "generated": st["generated_tokens"],
+            "requests": st["requests"]}
+
+
+def transformers_run(folder: Path, tasks: Path, args, out: Path) -> dict:
+    import transformers
+
+    from opencomposer.tokenizer.bpe import Tokenizer
+    from opencomposer.tokenizer.chat import ChatRenderer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tok = Tokenizer.load(folder)
+    renderer = ChatRenderer(tok)
+    lock = threading.Lock()
+    counts = {"prefill": 0, "generated": 0, "requests": 0}
+
+    def generate(messages, tools):
+        ids = renderer.encode(messages, tools or None, add_generation_prompt=True).ids
+        x = torch.tensor([ids])
+        with lock, torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.turn_tokens, do_sample=False,
+                               eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
+            counts["prefill"] += len(ids)
+            counts["generated"] += y.shape[1] - len(ids)
+            counts["requests"] += 1
+
+    secs, summary = run_episodes(tasks, lambda task: ReplayWithGeneration(task, generate, "transformers"),
+                                 args, out)
+    return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"], "cached": 0, **counts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true", help="episodes: only cache on/off")
+    args = ap.parse_args()
+    import transformers
+
+    from opencomposer.model.interop import import_default
+    from opencomposer.tasks.builders.deletion import BuildConfig
+    from opencomposer.tasks.default import DefaultBenchmarkConfig, build_default
+
+    transformers.logging.set_verbosity_error()
+    bw, fl = machine_bound()
+    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {fl / 1e9:.0f} GFLOP/s float32 matmul "
+          f"({torch.get_num_threads()} threads)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="oc-bench-rollouts-") as tmp:
+        tmp = Path(tmp)
+        folder = import_default(tmp / "smol")
+        tasks = tmp / "tasks"
+        build_default(tasks, DefaultBenchmarkConfig(sources=("colorsys", "graphlib"),
+                                                    build=BuildConfig(max_single=4, max_multi=0)))
+        modes = ["cache on", "cache off"] + ([] if args.skip_transformers else ["transformers"])
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for r in range(args.rounds):
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                out = tmp / f"run-{r}-{m.replace(' ', '-')}"
+                res = transformers_run(folder, tasks, args, out) if m == "transformers" else \
+                    served(folder, tasks, m == "cache on", args, out)
+                runs[m].append(res)
+                print(m, r, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
+        decode = decode_section(folder, args.rounds, bw, fl)
+    eps = {m: statistics.median(x["episodes"] * 60 / x["seconds"] for x in v) for m, v in runs.items()}
+    cmd = " ".join(["benchmarks/rollouts.py", *sys.argv[1:]])
+    n = runs["cache on"][0]["episodes"]
+    lines = ["## Rollout throughput on agent episodes (`benchmarks/rollouts.py`)", "",
+             f"Reproduce: `.venv/bin/python {cmd}` — {n} episodes of the bundled benchmark (five harness turns each: "
+             f"grep, read, edit, compile, answer, from each task's demonstration), {args.concurrency} in flight, "
+             f"SmolLM2-135M float32, up to {args.turn_tokens} greedy tokens per turn, {args.rounds} alternating "
+             f"rounds, medians; {torch.get_num_threads()} torch threads.", "",
+             "| policy | episodes / min | prompt tokens prefilled per episode | served from cache | tokens generated "
+             "per episode | graded pass rate |", "|---|---|---|---|---|---|"]
+    for m, v in runs.items():
+        pre = statistics.median(x["prefill"] / x["episodes"] for x in v)
+        cached = statistics.median(x["cached"] / max(1, x["cached"] + x["prefill"]) for x in v)
+        gen = statistics.median(x["generated"] / x["episodes"] for x in v)
+        acc = statistics.median(x["accuracy"] for x in v)
+        lines.append(f"| {m} | {eps[m]:.2f} | {pre:.0f} | {cached:.0%} | {gen:.0f} | {acc:.0%} |")
+    lines += ["", f"Cache on / cache off: **{eps['cache on'] / eps['cache off']:.2f}x** episodes per minute (goal: 3x)"
+              + (f"; cache on / transformers: **{eps['cache on'] / eps['transformers']:.2f}x**." if "transformers" in eps
+                 else "."), "",
+              f"Decode (64-token prompts, 32 greedy tokens, prefill excluded); this machine measured "
+              f"{bw / 1e9:.1f} GB/s streaming read and {fl / 1e9:.0f} GFLOP/s float32 matmul in the same run:", ""]
+    lines += decode
+    md = "\n".join(lines)
+    print(md)
+    write_section(ROOT / "docs" / "benchmarks.md", "rollouts", md)
+
+
+if __name__ == "__main__":
+    main()
