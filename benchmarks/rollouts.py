@@ -102,7 +102,8 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
         g = torch.Generator().manual_seed(r)
         for b in BATCHES:
             prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
-            order = [("ours", lambda: ours_decode(mine, prompts, new)), ("transformers", lambda: hf_decode(ref, prompts, new))]
+            order = [("ours", lambda p=prompts: ours_decode(mine, p, new)),
+                     ("transformers", lambda p=prompts: hf_decode(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
@@ -238,8 +239,8 @@ def main() -> None:
         acc = statistics.median(x["accuracy"] for x in v)
         lines.append(f"| {m} | {eps[m]:.2f} | {pre:.0f} | {cached:.0%} | {gen:.0f} | {acc:.0%} |")
     lines += ["", f"Cache on / cache off: **{eps['cache on'] / eps['cache off']:.2f}x** episodes per minute (goal: 3x)"
-              + (f"; cache on / transformers: **{eps['cache on'] / eps['transformers']:.2f}x**." if "transformers" in eps
-                 else "."), "",
+              + (f"; cache on / transformers: **{eps['cache on'] / eps['transformers']:.2f}x**."
+                 if "transformers" in eps else "."), "",
               f"Decode (64-token prompts, 32 greedy tokens, prefill excluded); this machine measured "
               f"{bw / 1e9:.1f} GB/s streaming read and {fl / 1e9:.0f} GFLOP/s float32 matmul in the same run:", ""]
     lines += decode

@@ -38,6 +38,18 @@ def test_calibration_on_the_smoke_split(smoke, tmp_path, model, expect):
     assert len(list((tmp_path / "trajectories").iterdir())) == s["episodes"]
 
 
+
+def test_demonstrations_solve_every_task_in_several_turns_of_real_tool_use(smoke, tmp_path):
+    """A demonstration (grep, read around the change, edit, compile, answer) passes like the oracle,
+    but through five turns whose every tool call succeeds: what SFT before RL should show."""
+    import json as _json
+
+    s = run_eval(EvalConfig(tasks=smoke, passes=1, concurrency=2), policy_factory("demonstration"), tmp_path)
+    assert s["accuracy"] == 1.0 and s["infra_errors"] == 0
+    for line in (tmp_path / "results.jsonl").read_text().splitlines():
+        r = _json.loads(line)
+        assert r["turns"] >= 5 and r["tool_errors"] == 0 and r["tool_calls"] >= 4, r
+
 def test_resume_runs_only_what_is_missing(smoke, tmp_path):
     cfg = EvalConfig(tasks=smoke, split="smoke", passes=1, concurrency=1)
     first = run_eval(cfg, policy_factory("oracle"), tmp_path)

@@ -16,6 +16,7 @@ from opencomposer.cli.models import (
     cmd_model_import_default,
     cmd_pretrain,
     cmd_report,
+    cmd_rl,
     cmd_serve,
     cmd_sft,
     cmd_speedrun,
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("-c", "--config", help="TOML recipe (SFTConfig)")
     st.set_defaults(fn=cmd_sft)
 
+    rl = sub.add_parser("rl", help="asynchronous RL in the harness: rollouts on our server, Dr. GRPO, weight sync")
+    rl.add_argument("-c", "--config", help="TOML recipe with RLConfig fields (see configs/rl.toml)")
+    rl.add_argument("--out", help="run folder (an existing one resumes; default: runs/<time>-rl)")
+    rl.set_defaults(fn=cmd_rl)
     sy = sub.add_parser("study", help="studies").add_subparsers(dest="sub", required=True)
     sc = sy.add_parser("cpt-vs-rl", help="CPT at log-spaced budgets, identical SFT (and RL, when it exists)")
     sc.add_argument("-c", "--config", help="TOML (StudyConfig: pretrain, sft, levels)")
@@ -180,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands that take `--a.b=value` config overrides; every other command refuses unknown arguments.
 TAKES_OVERRIDES = {"cmd_speedrun", "cmd_sandbox_run", "cmd_sandbox_fork_demo", "cmd_agent", "cmd_tasks_import",
                    "cmd_eval_run", "cmd_eval_base", "cmd_pretrain", "cmd_sft", "cmd_study_cpt_vs_rl",
-                   "cmd_kernels_check", "cmd_serve"}
+                   "cmd_kernels_check", "cmd_serve", "cmd_rl"}
 
 
 def main(argv: list[str] | None = None) -> int:

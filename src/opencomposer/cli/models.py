@@ -99,6 +99,30 @@ def cmd_sft(ns: argparse.Namespace, extra: list[str]) -> int:
     return _train_command(sft, sft.SFTConfig, "sft", ns, extra)
 
 
+def cmd_rl(ns: argparse.Namespace, extra: list[str]) -> int:
+    """Asynchronous RL in the harness (rl/loop.py); `--out` an existing run folder resumes it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from opencomposer.core.config import load_config
+    from opencomposer.rl.loop import RLConfig, run
+
+    cfg = load_config(RLConfig, ns.config, _overrides(ns, extra))
+    out = Path(ns.out) if ns.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S-rl")
+    columns = (TextColumn("rl"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns) as bar:
+        task = bar.add_task("rl", total=cfg.steps, info="rolling out")
+
+        def update(rec: dict) -> None:
+            bar.update(task, completed=rec["step"], info=f"v{rec['version']} reward {rec['reward']:.2f} "
+                                                          f"pass {rec['pass_rate']:.0%}")
+
+        summary = run(cfg, out, progress=update)
+    print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=2, default=str))
+    print(f"run folder: {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_study_cpt_vs_rl(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer.core.config import load_config
     from opencomposer.train import study

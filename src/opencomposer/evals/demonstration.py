@@ -39,7 +39,7 @@ def _line_of(text: str, old: str) -> int:
 def demonstration_turns(task: Task) -> list[dict]:
     """The turns (ScriptedPolicy's dict form) that solve `task`: at least five when the change
     edits existing files (search, read, edit, check, final message)."""
-    from opencomposer.evals.runner import oracle_policy
+    from opencomposer.evals.runner import oracle_calls
 
     patch = task.reference_patch
     files = changed_files(patch)
@@ -68,13 +68,12 @@ def demonstration_turns(task: Task) -> list[dict]:
     if reads:
         turns.append({"content": "Reading the code around it.", "tool_calls": reads})
     # the edits are the oracle's (search_replace per hunk, write_file or delete where it must)
-    edits = oracle_policy(task)._turns[0]
-    turns.append({"content": "This is the fix.", "tool_calls": [
-        {"name": c.name, "arguments": c.arguments} for c in edits.tool_calls]})
+    turns.append({"content": "This is the fix.", "tool_calls": oracle_calls(task)})
     py = [p for p, kind in files if p.endswith(".py") and kind != "deleted"]
     if py:
-        turns.append({"content": "Checking that it compiles.", "tool_calls": [{"name": "run_terminal_cmd", "arguments": {
-            "command": "python -m py_compile " + " ".join(shlex.quote(p) for p in py) + " && echo ok"}}]})
+        check = "python -m py_compile " + " ".join(shlex.quote(p) for p in py) + " && echo ok"
+        turns.append({"content": "Checking that it compiles.",
+                      "tool_calls": [{"name": "run_terminal_cmd", "arguments": {"command": check}}]})
     where = ", ".join(f"`{p}`" for p, _ in files[:3]) + (" and more" if len(files) > 3 else "")
     turns.append({"content": f"Fixed it in {where}."})
     return turns

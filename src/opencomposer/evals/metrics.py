@@ -21,6 +21,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def wilson(outcomes, z: float = 1.96) -> list[float] | None:
+    """The 95% Wilson score interval of a pass rate. It treats episodes as independent; several
+    samples of one task are correlated, so with few tasks the true interval is wider."""
+    n = len(outcomes)
+    if not n:
+        return None
+    p = sum(bool(x) for x in outcomes) / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
 def summarize(records: list[dict], passes: int) -> dict:
     graded = [r for r in records if r["status"] != "infra_error"]
     by_task: dict[str, list[dict]] = defaultdict(list)
@@ -31,6 +43,7 @@ def summarize(records: list[dict], passes: int) -> dict:
         "infra_errors": len(records) - len(graded),
         "tasks": len(by_task),
         "accuracy": _mean([r["passed"] for r in graded]),
+        "accuracy_ci95": wilson([r["passed"] for r in graded]),
     }
     for k in range(1, passes + 1):
         vals = [pass_at_k(len(rs), sum(r["passed"] for r in rs), k) for rs in by_task.values() if len(rs) >= k]

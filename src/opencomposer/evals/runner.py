@@ -54,9 +54,15 @@ class EvalConfig:
 
 
 def oracle_policy(task: Task) -> Policy:
-    """Applies the gold change through the harness's own edit tools, in one turn of parallel calls:
-    `search_replace` per diff hunk (compact, so even a large file stays far inside the context
-    budget), `write_file` for new files or where a hunk is not unique, `delete_file` for deletions."""
+    """Applies the gold change through the harness's own edit tools, in one turn of parallel calls
+    (`oracle_calls`)."""
+    return ScriptedPolicy([{"tool_calls": oracle_calls(task)}], name="oracle", final="Applied the reference change.")
+
+
+def oracle_calls(task: Task) -> list[dict]:
+    """The gold change as tool calls: `search_replace` per diff hunk (compact, so even a large file
+    stays far inside the context budget), `write_file` for new files or where a hunk is not unique,
+    `delete_file` for deletions."""
     calls = []
     images = post_images(task.repo, task.reference_patch)
     hunks = hunks_by_file(task.reference_patch)
@@ -75,7 +81,7 @@ def oracle_policy(task: Task) -> Policy:
             b64 = base64.b64encode(content).decode()
             calls.append({"name": "run_terminal_cmd",
                           "arguments": {"command": f"mkdir -p \"$(dirname '{path}')\" && echo {b64} | base64 -d > '{path}'"}})
-    return ScriptedPolicy([{"tool_calls": calls}], name="oracle", final="Applied the reference change.")
+    return calls
 
 
 def _edits(path: Path, hunks: list[tuple[str, str]]) -> list[tuple[str, str]] | None:

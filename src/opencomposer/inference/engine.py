@@ -545,6 +545,16 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        with self._cond:  # nobody will step these any more: their waiters get an answer now
+            for g in list(self._prefilling):
+                self._drop_prefill(g, "error", "the engine stopped")
+            for s in list(self._running.values()):
+                s.error = "the engine stopped"
+                self._finish(s, "error")
+            while self._waiting:
+                for s in self._waiting.popleft().seqs:
+                    s.error = "the engine stopped"
+                    self._finish(s, "error")
 
     def _loop(self) -> None:
         while True:

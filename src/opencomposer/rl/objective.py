@@ -12,8 +12,8 @@
 - Off-policy correction against the sampler's logprobs (`correction`): `"tis"` (default) weighs
   each token's gradient by min(pi/pi_sampler, cap), detached (truncated importance sampling);
   `"ppo"` uses the clipped surrogate min(r A, clip(r, 1-eps, 1+eps) A); `"none"` assumes on-policy.
-- No overlong masking. Single epoch (no prompt twice) and Adam on all parameters belong to the
-  reconciler and the RL trainer, which are not built yet: nothing calls this module so far.
+- No overlong masking. Single epoch (no prompt twice) is the reconciler's plan (`rl/loop.py`); Adam
+  on all parameters is the trainer's (`rl/trainer.py`).
 Groups whose rewards are all equal carry no gradient: `group_advantages` counts them.
 """
 

@@ -1,0 +1,236 @@
+"""The weight store: every training step's weights published as a versioned, checksummed delta
+chain in shared storage, which every inference replica pulls and verifies on its own (report §6.2:
+"each rank caches its previous upload and transmits only the diff"; replicas "independently
+download and reconstruct weights from the shared delta chain"; a full snapshot every N steps).
+
+Layout under the store's URL (a local folder, or any fsspec URL: s3://, gs://, memory://):
+
+    v00000012/tensors.zst     one zstd frame per tensor
+    v00000012/manifest.json   written last: a version exists once its manifest does
+
+A delta frame is the XOR of the tensor's bytes with the base version's bytes, compressed: lossless
+and bit-exact, and an unchanged tensor (or unchanged high bytes of a slightly changed float) is
+mostly zeros, which zstd squeezes. A full frame is the raw bytes. The manifest names the base
+version, and gives the sha256 of the blob, of every reconstructed tensor and of the whole state.
+
+A replica applies a version only after it has the whole blob, the blob's checksum matches, and
+every reconstructed tensor's checksum matches; a delta only onto exactly its base. Anything else —
+a missing or torn manifest, a corrupt blob, a delta against a version it does not serve — raises
+`WeightStoreError` and the engine keeps serving what it had; a newer full snapshot lets a replica
+that fell behind (or missed a delta) catch up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from opencomposer.core.errors import UserError
+
+
+class WeightStoreError(RuntimeError, UserError):
+    """A version that cannot be applied (the message says which and why); nothing was applied."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightStoreConfig:
+    url: str
+    """A local folder or an fsspec URL."""
+    full_every: int = 10
+    """A full snapshot every this many versions (and the first one); deltas in between."""
+    level: int = 3
+    """zstd compression level."""
+
+
+def _fs(url: str):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/")
+
+
+def _name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    import numpy as np
+
+    return (np.frombuffer(a, np.uint8) ^ np.frombuffer(b, np.uint8)).tobytes()
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                               torch.int8, torch.uint8, torch.bool)}
+
+
+def _tensor(raw: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    if dtype not in _DTYPES:
+        raise WeightStoreError(f"unsupported dtype {dtype}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_DTYPES[dtype]).reshape(shape).clone()
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(hashlib.sha256(_bytes(state[name])).digest())
+    return h.hexdigest()
+
+
+class WeightStore:
+    def __init__(self, config: WeightStoreConfig):
+        self.config = config
+        self.fs, self.root = _fs(config.url)
+        self._last: tuple[int, dict[str, bytes]] | None = None  # the publisher's cache of its previous upload
+
+    # -- reading ----------------------------------------------------------------------------------
+    def versions(self) -> list[int]:
+        """Complete versions (those with a manifest), ascending."""
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            base = n.rstrip("/").rsplit("/", 1)[-1]
+            if base.startswith("v") and base[1:].isdigit() and self.fs.exists(f"{self.root}/{base}/manifest.json"):
+                out.append(int(base[1:]))
+        return sorted(out)
+
+    def manifest(self, version: int) -> dict:
+        path = f"{self.root}/{_name(version)}/manifest.json"
+        try:
+            with self.fs.open(path, "rb") as f:
+                m = json.loads(f.read())
+        except FileNotFoundError:
+            raise WeightStoreError(f"version {version}: no manifest at {path}") from None
+        except ValueError as e:
+            raise WeightStoreError(f"version {version}: unreadable manifest ({e})") from None
+        if m.get("version") != version:
+            raise WeightStoreError(f"version {version}: the manifest says version {m.get('version')}")
+        return m
+
+    def load(self, version: int, base: dict[str, torch.Tensor] | None, base_version: int | None,
+             ) -> dict[str, torch.Tensor]:
+        """The full state of `version`, verified. A delta needs `base` = the state of exactly its
+        base version (`base_version`)."""
+        import zstandard
+
+        m = self.manifest(version)
+        if m["base"] is not None and m["base"] != base_version:
+            raise WeightStoreError(f"version {version} is a delta against version {m['base']}, but this replica "
+                                   f"has version {base_version}: wait for the next full snapshot")
+        try:
+            with self.fs.open(f"{self.root}/{_name(version)}/tensors.zst", "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise WeightStoreError(f"version {version}: the manifest has no tensors.zst beside it") from None
+        if len(blob) != m["bytes"] or hashlib.sha256(blob).hexdigest() != m["sha256"]:
+            raise WeightStoreError(f"version {version}: tensors.zst is corrupt or partial ({len(blob)} bytes, "
+                                   f"{m['bytes']} expected; checksum mismatch)")
+        dec = zstandard.ZstdDecompressor()
+        out: dict[str, torch.Tensor] = {}
+        for e in m["tensors"]:
+            try:
+                raw = dec.decompress(blob[e["offset"]:e["offset"] + e["length"]])
+            except zstandard.ZstdError as err:
+                raise WeightStoreError(f"version {version}: {e['name']} does not decompress ({err})") from None
+            if m["base"] is not None:
+                if e["name"] not in base:
+                    raise WeightStoreError(f"version {version}: {e['name']} is not in the base state")
+                raw = _xor(raw, _bytes(base[e["name"]]))
+            if hashlib.sha256(raw).hexdigest() != e["sha256"]:
+                raise WeightStoreError(f"version {version}: {e['name']} does not match its checksum after "
+                                       "reconstruction")
+            out[e["name"]] = _tensor(raw, e["dtype"], e["shape"])
+        return out
+
+    # -- publishing -------------------------------------------------------------------------------
+    def publish(self, state: dict[str, torch.Tensor], version: int) -> dict:
+        """Write `version`: a delta against the previous version this store published, or a full
+        snapshot (the first, every `full_every`-th, or when the tensor set changed). Returns the
+        manifest. The manifest is written after the blob, so readers never see half a version."""
+        import zstandard
+
+        if self._last is not None and version <= self._last[0]:
+            raise WeightStoreError(f"version {version} is not newer than the last published {self._last[0]}")
+        t0 = time.perf_counter()
+        raw = {name: _bytes(t) for name, t in state.items()}
+        prev = self._last[1] if self._last is not None else None
+        full = prev is None or version % self.config.full_every == 0 or set(prev) != set(raw) or \
+            any(len(prev[n]) != len(raw[n]) for n in raw)
+        comp = zstandard.ZstdCompressor(level=self.config.level)
+        frames, entries, offset = [], [], 0
+        for name in sorted(raw):
+            data = raw[name] if full else _xor(raw[name], prev[name])
+            frame = comp.compress(data)
+            t = state[name]
+            entries.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
+                            "length": len(frame), "sha256": hashlib.sha256(raw[name]).hexdigest()})
+            frames.append(frame)
+            offset += len(frame)
+        blob = b"".join(frames)
+        folder = f"{self.root}/{_name(version)}"
+        self.fs.makedirs(folder, exist_ok=True)
+        with self.fs.open(f"{folder}/tensors.zst", "wb") as f:
+            f.write(blob)
+        manifest = {"version": version, "base": None if full else self._last[0], "kind": "full" if full else "delta",
+                    "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(), "tensors": entries,
+                    "raw_bytes": sum(len(v) for v in raw.values()), "created": time.time(),
+                    "seconds": round(time.perf_counter() - t0, 4)}
+        with self.fs.open(f"{folder}/manifest.json.tmp", "wb") as f:
+            f.write(json.dumps(manifest).encode())
+        self.fs.mv(f"{folder}/manifest.json.tmp", f"{folder}/manifest.json")
+        self._last = (version, raw)
+        return manifest
+
+
+class WeightPuller:
+    """One replica's side: bring an engine to the newest version in the store, one verified version
+    at a time (or straight to a newer full snapshot). What was applied is counted; a version that
+    fails is recorded with its reason and the engine keeps serving its last good weights."""
+
+    def __init__(self, store: WeightStore, engine):
+        self.store = store
+        self.engine = engine
+        self.errors: list[str] = []
+        self.applied = 0
+        self.failed: set[int] = set()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.engine.model.to_hf_state().items()}
+
+    def poll(self, *, wait: float | None = 60.0) -> int:
+        """Apply every version newer than the engine's; returns the engine's version after."""
+        while True:
+            current = self.engine.version
+            newer = [v for v in self.store.versions() if v > current and v not in self.failed]
+            if not newer:
+                return current
+            bases = {v: self.store.manifest(v)["base"] for v in newer}
+            chain = next((v for v in newer if bases[v] == current), None)
+            full = max((v for v in newer if bases[v] is None), default=None)
+            # the next link of the chain, or a newer full snapshot, which replaces everything before it
+            target = full if full is not None and (chain is None or full > chain) else chain
+            if target is None:
+                err = (f"no version in the store applies to version {current}: the next ones are deltas against "
+                       f"versions this replica does not have ({newer[:5]}); it keeps serving until a full snapshot "
+                       "is published")
+                self.errors.append(err)
+                raise WeightStoreError(err)
+            try:
+                tensors = self.store.load(target, self._state(), current)
+            except WeightStoreError as e:
+                self.errors.append(str(e))
+                self.failed.add(target)
+                raise
+            self.engine.update_weights(tensors, target, wait=wait)
+            self.applied += 1

@@ -1,0 +1,413 @@
+"""The asynchronous RL loop (report §3–4, §6.2): a reconciler that moves samples through rollout
+workers, grading and grouping to the trainer, a trainer that publishes every step's weights to the
+weight store, and an inference replica that pulls them in flight while it keeps serving.
+
+Services and their boundaries:
+- the inference replica is our server (`inference/server.py`, the OpenAI HTTP API) plus a
+  `WeightPuller` on the weight store; rollout workers reach it only over HTTP, the trainer only
+  through the store;
+- rollout workers run `rl/rollout.py` (harness + sandbox + grading) in a bounded thread pool;
+- the trainer (`rl/trainer.py`) and the reconciler run in the driver.
+Here all of them live in one process (threads; the local backend). The boundaries are the ones a
+Ray backend takes over: a worker is a function of (task, sample, policy URL); the replica is a URL
+and a store URL; nothing else is shared.
+
+The reconciler: group g of the plan is task `order[g]` (seeded shuffle; single epoch by default, so
+no prompt is trained twice). At most `max_inflight_groups` groups are dispatched and not yet
+trained — the knob that trades rollout throughput against staleness — and a sample whose oldest
+trained token is more than `max_staleness` versions behind the trainer is not trained (its group
+is dropped and recorded). Every state change goes to the event log first; finished groups are
+checkpointed (sequences with advantages' inputs, tagged by policy version) before training, and the
+step checkpoint names the groups it trained, so a restarted run trains nothing twice and loses no
+finished group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opencomposer.core.errors import UserError
+from opencomposer.core.rundir import write_atomic
+from opencomposer.harness.agent import AgentConfig
+from opencomposer.harness.tools import ALL_TOOLS, ToolConfig
+from opencomposer.rl.events import EventLog, read_events
+from opencomposer.rl.objective import ObjectiveConfig
+from opencomposer.rl.rewards import RewardConfig
+from opencomposer.rl.rollout import Sample, run_rollout
+from opencomposer.rl.trainer import RLTrainer, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class RLError(RuntimeError, UserError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RLConfig:
+    model: Path
+    """A Hugging Face model folder (with tokenizer.json) to start from: after CPT and SFT."""
+    tasks: Path
+    split: str | None = "train"
+    evaluate: bool = True
+    """Measure `eval_split` before training, every `eval_every` steps and at the end."""
+    eval_split: str | None = "held_out"
+    """The held-out split (None: every task of the dataset folder)."""
+    steps: int = 10
+    groups_per_step: int = 1
+    max_inflight_groups: int = 2
+    max_staleness: int = 2
+    """Hard bound, per token: trainer version - the version that sampled it."""
+    max_attempts: int = 2
+    """A sample whose rollout fails (infrastructure) is rolled out again at most this many times."""
+    workers: int = 2
+    epochs: int = 1
+    seed: int = 0
+    temperature: float = 1.0
+    turn_tokens: int = 256
+    max_turns: int = 8
+    rollout_timeout_s: float = 900.0
+    tools: tuple[str, ...] = ()
+    """Tools the agent may use (empty: the harness's default set); fewer tools, shorter prompts."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    objective: ObjectiveConfig = field(default_factory=lambda: ObjectiveConfig(group_size=4))
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    full_every: int = 10
+    weight_store: str | None = None
+    """Where weights are published (default: <out>/weights); any fsspec URL."""
+    eval_every: int = 0
+    eval_samples: int = 4
+    slots: int = 8
+    max_len: int | None = None
+
+
+def agent_config(cfg: RLConfig) -> AgentConfig:
+    tools = ToolConfig(disabled=tuple(t.name for t in ALL_TOOLS if t.name not in cfg.tools)) if cfg.tools \
+        else ToolConfig()
+    return AgentConfig(max_turns=cfg.max_turns, max_wall_s=cfg.rollout_timeout_s, tools=tools)
+
+
+class Replica:
+    """The inference service: our server on the current weights, pulling new versions from the
+    store in a background thread (rejected versions are logged to the event log)."""
+
+    def __init__(self, cfg: RLConfig, store_url: str, events: EventLog):
+        self.cfg, self.store_url, self.events = cfg, store_url, events
+        self.server = self.puller = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Replica:
+        from opencomposer.inference.server import ServeConfig, Server, load_served
+        from opencomposer.inference.weight_store import WeightPuller, WeightStore, WeightStoreConfig
+
+        engine, tok = load_served(self.cfg.model, slots=self.cfg.slots, max_len=self.cfg.max_len)
+        self.server = Server(engine, tok, "policy", ServeConfig(port=0, default_max_tokens=self.cfg.turn_tokens))
+        self.server.start()
+        self.puller = WeightPuller(WeightStore(WeightStoreConfig(url=self.store_url)), engine)
+        self._stop.clear()
+        self.pull()
+        self._thread = threading.Thread(target=self._loop, name="weight-puller", daemon=True)
+        self._thread.start()
+        return self
+
+    def pull(self) -> None:
+        from opencomposer.inference.weight_store import WeightStoreError
+
+        try:
+            self.puller.poll(wait=60.0)
+        except (WeightStoreError, TimeoutError) as e:
+            self.events.record("weights_rejected", replica=self.url, error=str(e)[:500])
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.pull()
+
+    @property
+    def url(self) -> str:
+        return self.server.url if self.server else ""
+
+    @property
+    def version(self) -> int:
+        return self.server.engine.version if self.server else -1
+
+    def alive(self) -> bool:
+        return self.server is not None and self.server.engine.load()["alive"]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def _plan(n_tasks: int, cfg: RLConfig) -> list[int]:
+    order = []
+    rng = random.Random(cfg.seed)
+    for _ in range(cfg.epochs):
+        idx = list(range(n_tasks))
+        rng.shuffle(idx)
+        order += idx
+    return order
+
+
+class Run:
+    """One RL run in `out` (resumable)."""
+
+    def __init__(self, cfg: RLConfig, out: Path, progress=None):
+        from opencomposer.model.hf import load_model
+        from opencomposer.tasks.format import load_dataset
+
+        self.cfg, self.out = cfg, Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1, default=str) + "\n")
+        self.events = EventLog(self.out / "events.jsonl")
+        self.tasks = load_dataset(cfg.tasks, cfg.split)
+        if not self.tasks:
+            raise RLError(f"no tasks in {cfg.tasks} (split {cfg.split})")
+        self.plan = _plan(len(self.tasks), cfg)
+        self.store_url = cfg.weight_store or str(self.out / "weights")
+        self.progress = progress
+        self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
+        self.version, self.trained = 0, set()
+        ckpt = self.out / "step.pt"
+        if ckpt.exists():
+            self.version, trained = self.trainer.load(ckpt)
+            self.trained = set(trained)
+        # groups finished before a crash and not yet trained: loaded, not rolled out again
+        self.ready: dict[int, list[Sample]] = {}
+        for f in sorted((self.out / "groups").glob("g*.json")) if (self.out / "groups").exists() else []:
+            gid = int(f.stem[1:])
+            if gid not in self.trained:
+                self.ready[gid] = [Sample.from_dict(d) for d in json.loads(f.read_text())["samples"]]
+        self.failed_groups = {e["group"] for e in read_events(self.out / "events.jsonl") if e["kind"] == "group_failed"}
+        self.metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    # -- the reconciler ---------------------------------------------------------------------------
+    def _next_groups(self, count: int, taken: set[int]) -> list[int]:
+        out = []
+        for g in range(len(self.plan)):
+            if len(out) == count:
+                break
+            if g in self.trained or g in self.failed_groups or g in taken:
+                continue
+            out.append(g)
+        return out
+
+    def run(self) -> dict:
+        from opencomposer.harness.openai_policy import OpenAIPolicy
+        from opencomposer.inference.weight_store import WeightStore, WeightStoreConfig
+        from opencomposer.sandbox.pool import PoolConfig, SandboxPool
+
+        cfg = self.cfg
+        store = WeightStore(WeightStoreConfig(url=self.store_url, full_every=cfg.full_every))
+        if self.version == 0 and not store.versions():
+            self.events.record("published", version=0, **_pub(store.publish(self.trainer.model.to_hf_state(), 0)))
+        elif self.version > 0:  # a restart: the trainer's state, published whole so every replica can load it
+            self._publish(store)
+        replica = self.replica = Replica(cfg, self.store_url, self.events).start()
+        self.events.record("run_started", version=self.version, trained_groups=len(self.trained),
+                           ready_groups=sorted(self.ready))
+        pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.workers), max_load_per_cpu=None))
+        stop = threading.Event()
+        inflight: dict[int, dict] = {}  # group -> {"samples": {i: Sample}, "attempts": {i: n}}
+        futures: dict[Future, tuple[int, int]] = {}
+        summary: dict = {"steps": []}
+        executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="rollout")
+        G = cfg.objective.group_size
+        steps_done = len(self.trained) // cfg.groups_per_step
+        if cfg.evaluate and not (self.out / "evals" / "step-0" / "summary.json").exists():
+            summary["eval_start"] = self._evaluate(replica, "step-0")
+        try:
+            while steps_done < cfg.steps:
+                if not replica.alive():
+                    self.events.record("replica_restarted", reason="engine not alive")
+                    replica.stop()
+                    replica = self.replica = Replica(cfg, self.store_url, self.events).start()
+                policy = OpenAIPolicy(base_url=replica.url, model="policy", temperature=cfg.temperature,
+                                      max_tokens=cfg.turn_tokens, timeout_s=cfg.rollout_timeout_s, max_retries=0)
+                # dispatch whole groups while the staleness budget allows
+                want = cfg.max_inflight_groups - len(inflight) - len(self.ready)
+                for g in self._next_groups(max(0, want), set(inflight) | set(self.ready)):
+                    inflight[g] = {"samples": {}, "attempts": {i: 0 for i in range(G)}}
+                    for i in range(G):
+                        self._submit(executor, futures, g, i, policy, pool, stop, inflight)
+                if not inflight and not self.ready:
+                    summary["stopped"] = "the plan has no more groups (single epoch: no prompt twice)"
+                    break
+                # collect finished rollouts until enough groups are ready for a step
+                while len(self.ready) < cfg.groups_per_step and futures:
+                    done, _ = wait(list(futures), timeout=cfg.rollout_timeout_s + 60, return_when=FIRST_COMPLETED)
+                    if not done:
+                        raise RLError(f"no rollout finished within {cfg.rollout_timeout_s + 60:.0f} s")
+                    for fut in done:
+                        g, i = futures.pop(fut)
+                        self._collect(fut, g, i, inflight, executor, futures, policy, pool, stop)
+                if len(self.ready) < cfg.groups_per_step:
+                    continue
+                batch = sorted(self.ready)[: cfg.groups_per_step]
+                groups = []
+                for g in batch:
+                    samples = self.ready.pop(g)
+                    stale = [s for s in samples if s.min_version is not None
+                             and self.version - s.min_version > cfg.max_staleness]
+                    if stale:
+                        self._fail_group(g, f"stale: {len(stale)} samples more than {cfg.max_staleness} versions "
+                                            f"behind version {self.version}")
+                        continue
+                    groups.append((g, samples))
+                if not groups:
+                    continue
+                steps_done += 1
+                summary["steps"].append(self._step(store, groups, replica))
+                if cfg.evaluate and cfg.eval_every and steps_done % cfg.eval_every == 0 \
+                        and steps_done < cfg.steps:
+                    self._evaluate(replica, f"step-{steps_done}")
+            if cfg.evaluate:
+                summary["eval_end"] = self._evaluate(replica, f"step-{steps_done}")
+        except KeyboardInterrupt:
+            self.events.record("interrupted", version=self.version)
+            raise
+        finally:
+            stop.set()
+            executor.shutdown(wait=True, cancel_futures=True)
+            replica.stop()
+            pool.close()
+            self.metrics.close()
+        summary.update(version=self.version, trained_groups=len(self.trained), failed_groups=len(self.failed_groups))
+        self.events.record("run_finished", **{k: v for k, v in summary.items() if k != "steps"})
+        self.events.close()
+        write_atomic(self.out / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+        return summary
+
+    def _submit(self, executor, futures, g, i, policy, pool, stop, inflight) -> None:
+        task = self.tasks[self.plan[g] % len(self.tasks)]
+        sid = f"g{g}.{i}"
+        inflight[g]["attempts"][i] += 1
+        sample = Sample(id=sid, group=g, index=i + 100 * (inflight[g]["attempts"][i] - 1), task=task.id)
+        self.events.record("queued", sid, group=g, task=task.id, attempt=inflight[g]["attempts"][i])
+
+        def work() -> Sample:
+            self.events.record("rolling_out", sid, policy_url=policy.config.base_url)
+            return run_rollout(task, sample, policy, pool, agent_config(self.cfg), self.cfg.rewards,
+                               self.out / "trajectories" / f"g{g}", stop=stop,
+                               on_grading=lambda s: self.events.record("grading", s.id))
+
+        futures[executor.submit(work)] = (g, i)
+
+    def _collect(self, fut, g, i, inflight, executor, futures, policy, pool, stop) -> None:
+        try:
+            s = fut.result()
+        except Exception as e:  # noqa: BLE001 - a worker that died: its sample is re-queued
+            s = Sample(id=f"g{g}.{i}", group=g, index=i, task="", error=f"worker died: {type(e).__name__}: {e}")
+        if s.error is not None:
+            self.events.record("failed", s.id, reason=s.error)
+            if inflight[g]["attempts"][i] < self.cfg.max_attempts:
+                self._submit(executor, futures, g, i, policy, pool, stop, inflight)
+            else:
+                self._fail_group(g, f"sample {s.id} failed {self.cfg.max_attempts} times: {s.error}")
+                inflight.pop(g, None)
+            return
+        if g not in inflight:
+            return
+        inflight[g]["samples"][i] = s
+        if len(inflight[g]["samples"]) == self.cfg.objective.group_size:
+            done = inflight.pop(g)["samples"]
+            samples = [done[k] for k in range(self.cfg.objective.group_size)]
+            path = self.out / "groups" / f"g{g}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"group": g, "samples": [x.to_dict() for x in samples]}) + "\n")
+            for x in samples:
+                self.events.record("grouped", x.id, group=g, reward=x.reward, passed=x.passed,
+                                   min_version=x.min_version)
+            self.ready[g] = samples
+
+    def _evaluate(self, replica: Replica, label: str) -> dict:
+        """Mean pass rate and best-of-K on the held-out split, through the same harness and server,
+        on the weights the replica serves once it has caught up with the trainer."""
+        from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+        from opencomposer.harness.openai_policy import OpenAIPolicyConfig
+
+        cfg = self.cfg
+        deadline = time.monotonic() + 120
+        while replica.version < self.version and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ecfg = EvalConfig(tasks=cfg.tasks, split=cfg.eval_split, passes=cfg.eval_samples, concurrency=cfg.workers,
+                          agent=agent_config(cfg), policy=OpenAIPolicyConfig(temperature=cfg.temperature,
+                                                                             max_tokens=cfg.turn_tokens))
+        s = run_eval(ecfg, policy_factory(replica.url, "policy", ecfg.policy), self.out / "evals" / label)
+        rec = {"label": label, "version": replica.version, "accuracy": s["accuracy"],
+               "interval": s.get("accuracy_ci95"), f"best_of_{cfg.eval_samples}": s.get(f"best_of_{cfg.eval_samples}"),
+               "episodes": s["episodes"]}
+        self.events.record("eval", **rec)
+        write_atomic(self.out / "evals" / label / "summary.json", json.dumps(rec, indent=1) + "\n")
+        return rec
+
+    def _fail_group(self, g: int, reason: str) -> None:
+        self.failed_groups.add(g)
+        self.events.record("group_failed", group=g, reason=reason)
+
+    def _publish(self, store) -> dict:
+        m = store.publish(self.trainer.model.to_hf_state(), self.version)
+        self.events.record("published", version=self.version, **_pub(m))
+        return m
+
+    def _step(self, store, groups: list[tuple[int, list[Sample]]], replica: Replica) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        before = self.version
+        st = self.trainer.step([s for _, s in groups])
+        self.version += 1
+        for g, _ in groups:
+            self.trained.add(g)
+        self.trainer.save(self.out / "step.pt", self.version, sorted(self.trained))
+        for g, samples in groups:
+            for s in samples:
+                self.events.record("trained", s.id, group=g, version=self.version)
+        t1 = time.perf_counter()
+        m = self._publish(store)
+        samples = [s for _, ss in groups for s in ss]
+        staleness = [before - v for s in samples for q in s.sequences for v, k in zip(q.versions, q.loss_mask) if k]
+        calls: dict[str, int] = {}
+        for s in samples:
+            for n, c in s.tool_calls.items():
+                calls[n] = calls.get(n, 0) + c
+        editing = ("search_replace", "write_file", "delete_file")
+        edits = sum(1 for s in samples if any(n in s.tool_calls for n in editing))
+        rec = {"step": len(self.trained) // cfg.groups_per_step, "version": self.version,
+               "groups": [g for g, _ in groups],
+               "reward": sum(s.reward for s in samples) / len(samples),
+               "pass_rate": sum(s.passed for s in samples) / len(samples),
+               "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
+               "trained_tokens": st["trained_tokens"], "tokens_per_rollout": sum(s.trained_tokens for s in samples)
+               / len(samples), "turns_per_rollout": sum(s.turns for s in samples) / len(samples),
+               "tool_calls": calls, "broken_calls": sum(s.breakdown.get("broken_calls", 0) for s in samples),
+               "edit_rate": edits / len(samples), "merge_rate": sum(s.merge_rate for s in samples) / len(samples),
+               "staleness": {str(k): staleness.count(k) for k in sorted(set(staleness))},
+               "train_seconds": round(t1 - t0, 3), "publish_seconds": m["seconds"], "delta_bytes": m["bytes"],
+               "full_bytes": m["raw_bytes"], "replica_version": replica.version,
+               "grad_norm": st.get("grad_norm", 0.0), "loss": st["loss"], "time": time.time()}
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        self.events.record("step", **{k: v for k, v in rec.items() if k not in ("tool_calls", "staleness")})
+        if self.progress is not None:
+            self.progress(rec)
+        return rec
+
+
+def _pub(m: dict) -> dict:
+    return {"kind_of": m["kind"], "bytes": m["bytes"], "raw_bytes": m["raw_bytes"], "seconds": m["seconds"]}
+
+
+def run(cfg: RLConfig, out: Path, progress=None) -> dict:
+    return Run(cfg, out, progress).run()

@@ -1,0 +1,103 @@
+"""The RL trainer's step: groups of G graded rollouts -> one Adam step on all parameters under the
+Dr. GRPO objective (`rl/objective.py`), plus the step checkpoint that makes a restart exact.
+
+Per group: rewards (with beta * sum k1 taken off when the KL sits in the reward; k1 from the
+sampler's logprobs against the frozen reference model's, at the sampled tokens), A = R - mean R;
+a group whose advantages are all zero carries no gradient and is counted, not trained. Per trained
+token: the trainer's logprob in training mode (router replay for MoE) against the sampler's,
+summed over every token of every rollout and divided by the constant normaliser.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opencomposer.rl.forward import sequence_logprobs
+from opencomposer.rl.objective import ObjectiveConfig, group_advantages, rewards_with_kl, token_loss
+from opencomposer.rl.rollout import Sample
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    lr: float = 1e-5
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.99)
+
+
+def sampled(seq) -> torch.Tensor:
+    return torch.tensor([lp for lp, m in zip(seq.logprobs, seq.loss_mask) if m], dtype=torch.float32)
+
+
+class RLTrainer:
+    def __init__(self, model: torch.nn.Module, objective: ObjectiveConfig, config: TrainerConfig):
+        self.model = model
+        self.objective = objective
+        self.config = config
+        self.ref = copy.deepcopy(model).eval() if objective.kl_coef > 0 else None
+        if self.ref is not None:
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+        self.opt = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
+
+    def _ref_logprobs(self, seq) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_logprobs(self.ref, seq).detach()
+
+    def step(self, groups: list[list[Sample]]) -> dict:
+        t0 = time.perf_counter()
+        cfg = self.objective
+        stats = {"groups": len(groups), "zero_advantage_groups": 0, "trained_tokens": 0, "kl": 0.0,
+                 "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
+        self.opt.zero_grad(set_to_none=True)
+        for group in groups:
+            refs = [[self._ref_logprobs(q) for q in s.sequences] for s in group] if self.ref is not None else None
+            kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
+                       for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
+            stats["kl"] += sum(kl_sums)
+            adv, zero = group_advantages(rewards_with_kl([s.reward for s in group], kl_sums, cfg), cfg.group_size)
+            if zero:
+                stats["zero_advantage_groups"] += 1
+                continue
+            for si, (s, a) in enumerate(zip(group, adv)):
+                for qi, seq in enumerate(s.sequences):
+                    logp = sequence_logprobs(self.model, seq)
+                    ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
+                    loss, st = token_loss(logp, sampled(seq), torch.tensor(a), cfg, logp_ref=ref)
+                    loss.backward()
+                    stats["loss"] += float(loss.detach())
+                    stats["trained_tokens"] += st["tokens"]
+                    stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
+                    stats["truncated"] += st.get("truncated", 0)
+        grads = [p for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip))
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        stats["seconds"] = time.perf_counter() - t0
+        tokens = sum(s.trained_tokens for g in groups for s in g)
+        stats["kl_per_token"] = stats["kl"] / tokens if tokens else 0.0
+        return stats
+
+    # -- step checkpoints ---------------------------------------------------------------------------
+    def save(self, path: Path, version: int, trained_groups: list[int]) -> None:
+        """Model, optimiser, version and the groups this state has trained on, written whole
+        (tmp + rename): a restart either sees all of a step or none of it."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict(), "version": version,
+                    "trained_groups": sorted(trained_groups)}, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> tuple[int, list[int]]:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optim"])
+        return int(ckpt["version"]), list(ckpt["trained_groups"])
