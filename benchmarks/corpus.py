@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import statistics
 import sysconfig
+import time
 from pathlib import Path
 
 
@@ -26,6 +28,17 @@ def make_tree(dest: Path, target_files: int = 4000, max_file: int = 1 << 20) -> 
         shutil.copy2(p, out)
         size += p.stat().st_size
     return len(chosen), size
+
+
+def timed(fn, n: int = 5) -> float:
+    """Median seconds of n calls after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
 
 
 def write_section(path: Path, name: str, md: str) -> None:

@@ -10,25 +10,13 @@ against float64. Medians of 5 runs.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from corpus import write_section
+from corpus import timed, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def timed(fn, n: int = 5) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main() -> None:

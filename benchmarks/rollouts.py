@@ -36,28 +36,18 @@ import time
 from pathlib import Path
 
 import torch
-from corpus import write_section
+from corpus import timed, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
 
 
-def median_time(fn, n: int) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def machine_bound() -> tuple[float, float]:
     """(bytes/s of a streaming read, float32 matmul FLOP/s) on the current torch threads."""
     x = torch.randn(128 * 1024 * 1024)
-    bw = x.numel() * 4 / median_time(lambda: x.sum(), 5)
+    bw = x.numel() * 4 / timed(lambda: x.sum(), 5)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    fl = 2 * 2048 ** 3 / median_time(lambda: a @ b, 5)
+    fl = 2 * 2048 ** 3 / timed(lambda: a @ b, 5)
     return bw, fl
 
 

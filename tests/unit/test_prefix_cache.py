@@ -11,26 +11,8 @@ torch = pytest.importorskip("torch")
 from opencomposer.inference.engine import Engine, EngineConfig  # noqa: E402
 from opencomposer.inference.prefix_cache import PrefixCache  # noqa: E402
 from opencomposer.inference.sampling import SamplingParams  # noqa: E402
-from opencomposer.model.deepseek import DeepseekModel, preset  # noqa: E402
-from opencomposer.model.llama import PRESETS, LlamaModel  # noqa: E402
-
-
-def llama():
-    torch.manual_seed(0)
-    return LlamaModel(PRESETS["tiny"]).eval()
-
-
-def moe():
-    torch.manual_seed(0)
-    return DeepseekModel(preset("tiny-moe")).eval()
-
-
-def drain(engine: Engine) -> None:
-    for _ in range(10_000):
-        if not engine.has_work():
-            return
-        engine.step()
-    raise AssertionError("engine did not drain")
+from tests.unit.test_engine import llama, moe  # noqa: E402
+from tests.unit.test_engine import run_all as drain  # noqa: E402
 
 
 def episode(engine: Engine, turns: int = 4, n: int = 2, seed: int = 0, system: list[int] | None = None):

@@ -321,7 +321,7 @@ class Engine:
         (cache-aware, as SGLang's longest-prefix-match policy), arrival order otherwise; a group
         passed over `fairness` times goes first and holds back everything behind it until it fits."""
         with self._cond:
-            if not self._waiting:
+            if not self._waiting or not self._free:
                 return
             cand = list(itertools.islice(self._waiting, 64))
             matches = {id(g): self._match(g) for g in cand}

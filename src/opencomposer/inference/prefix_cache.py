@@ -87,6 +87,17 @@ class Match:
         return min((n.version for n, _ in self.path), default=None)
 
 
+def _common(label: tuple[int, ...], tokens: list[int], pos: int, n: int) -> int:
+    """How many of the first n tokens of `label` equal tokens[pos:]: one slice comparison when the
+    whole run matches (the usual case), token by token only to find where it stops."""
+    if label[:n] == tuple(tokens[pos:pos + n]):
+        return n
+    k = 0
+    while k < n and label[k] == tokens[pos + k]:
+        k += 1
+    return k
+
+
 class PrefixCache:
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
@@ -106,9 +117,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            k, n = 0, min(len(child.tokens), limit - pos)
-            while k < n and child.tokens[k] == tokens[pos + k]:
-                k += 1
+            k = _common(child.tokens, tokens, pos, min(len(child.tokens), limit - pos))
             child.last_used = now
             path.append((child, k))
             pos += k
@@ -163,9 +172,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            k, n = 0, min(len(child.tokens), len(tokens) - pos)
-            while k < n and child.tokens[k] == tokens[pos + k]:
-                k += 1
+            k = _common(child.tokens, tokens, pos, min(len(child.tokens), len(tokens) - pos))
             if pos + k == len(tokens):  # all of it is cached already
                 child.last_used = now
                 return 0

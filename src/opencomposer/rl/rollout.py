@@ -36,9 +36,7 @@ class Sample:
     trajectory: str = ""
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["sequences"] = [asdict(s) for s in self.sequences]
-        return d
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Sample:
