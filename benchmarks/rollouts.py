@@ -143,7 +143,7 @@ def served(folder: Path, tasks: Path, cache: bool, args, out: Path) -> dict:
     with Server(engine, tok, "smol", ServeConfig(port=0)) as srv:
         pol = OpenAIPolicy(base_url=srv.url, model="smol", temperature=0.0, max_tokens=args.turn_tokens,
                            timeout_s=1800)
-        secs, summary = run_episodes(tasks, lambda task: ReplayWithGeneration(task, pol.complete, "served"),
+        secs, summary = run_episodes(tasks, lambda task, k=0: ReplayWithGeneration(task, pol.complete, "served"),
                                      args, out)
         st = dict(engine.stats)
     return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"],
@@ -173,7 +173,7 @@ def transformers_run(folder: Path, tasks: Path, args, out: Path) -> dict:
             counts["generated"] += y.shape[1] - len(ids)
             counts["requests"] += 1
 
-    secs, summary = run_episodes(tasks, lambda task: ReplayWithGeneration(task, generate, "transformers"),
+    secs, summary = run_episodes(tasks, lambda task, k=0: ReplayWithGeneration(task, generate, "transformers"),
                                  args, out)
     return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"], "cached": 0, **counts}
 

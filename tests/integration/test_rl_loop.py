@@ -136,3 +136,99 @@ def test_a_killed_trainer_resumes_and_a_dead_replica_is_replaced(family, tmp_pat
     assert any(e["kind"] == "replica_restarted" for e in after)
     failed = [e for e in after if e["kind"] == "failed"]
     assert all("engine" in e["reason"] or "Connection" in e["reason"] or "policy" in e["reason"] for e in failed)
+
+
+class MalformedFirstCall:
+    """The policy under test, except that its first tool call's arguments come back cut short (a
+    malformed call, as a model emits one); the sampled token ids are untouched."""
+
+    def __init__(self, policy):
+        self.policy, self.calls = policy, 0
+        self.name = policy.name
+
+    def complete(self, messages, tools):
+        c = self.policy.complete(messages, tools)
+        self.calls += 1
+        if self.calls == 1 and c.tool_calls:
+            cut = tuple(dataclasses.replace(t, arguments=t.arguments[: len(t.arguments) // 2]) for t in c.tool_calls)
+            c = dataclasses.replace(c, tool_calls=cut)
+        return c
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+@pytest.mark.timeout(1200)
+def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monkeypatch):
+    """One run, four faults: a rollout worker that dies, a task whose verifier hangs, a policy
+    that emits a malformed tool call, a weight delta corrupted in the store. Each is in the event
+    log; nothing is trained twice; the run ends with every step trained."""
+    import shutil
+
+    from opencomposer.inference.weight_store import WeightStore, _name
+    from opencomposer.rl import loop
+
+    tasks_dir, model = family
+    tasks = tmp_path / "tasks"
+    (good,) = [p for p in tasks_dir.iterdir() if (p / "task.toml").exists()]
+    shutil.copytree(good, tasks / good.name, symlinks=True)
+    hang = tasks / f"hang-{good.name}"
+    shutil.copytree(good, hang, symlinks=True)
+    toml = (hang / "task.toml").read_text().replace(f'id = "{good.name}"', f'id = "hang-{good.name}"')
+    toml = toml.split("[verifier]")[0] + "[verifier]\ncommand = \"sleep 600\"\ntimeout_s = 3\n" + \
+        "[verifier]".join(toml.split("[verifier]")[1:]).split("timeout_s", 1)[1].split("\n", 1)[1]
+    (hang / "task.toml").write_text(toml)
+
+    real_rollout, real_publish = loop.run_rollout, WeightStore.publish
+    died = []
+
+    def faulty_rollout(task, sample, policy, *a, **kw):
+        if sample.id == "g0.1" and not died:
+            died.append(sample.id)
+            raise RuntimeError("injected: the worker died")
+        if sample.group in (1, 2):  # the tiny model calls a tool about half the time: 8 chances
+            policy = MalformedFirstCall(policy)
+        return real_rollout(task, sample, policy, *a, **kw)
+
+    def corrupting_publish(self, state, version, **kw):
+        m = real_publish(self, state, version, **kw)
+        if version == 2:  # flip a byte in the middle of the stored blob: the checksum must catch it
+            blob = f"{self.root}/{_name(version)}/tensors.zst"
+            data = bytearray(self.fs.cat_file(blob))
+            data[len(data) // 2] ^= 0xFF
+            self.fs.pipe_file(blob, bytes(data))
+        return m
+
+    monkeypatch.setattr(loop, "run_rollout", faulty_rollout)
+    monkeypatch.setattr(WeightStore, "publish", corrupting_publish)
+    cfg = dataclasses.replace(config(family, LR, steps=4), tasks=tasks, evaluate=False, epochs=3)
+    out = tmp_path / "run"
+    summary = Run(cfg, out).run()
+    events = read_events(out / "events.jsonl")
+    steps = [e for e in events if e["kind"] == "step"]
+    assert summary["trained_groups"] == 4 and len(steps) == 4
+    groups = [g for e in steps for g in e["groups"]]
+    assert len(groups) == len(set(groups))  # nothing trained twice
+    trained = [e["sample"] for e in events if e["kind"] == "trained"]
+    assert len(trained) == len(set(trained)) == 16
+    # the dead worker: recorded with its reason, its sample rolled out again and trained once
+    failed = [e for e in events if e["kind"] == "failed"]
+    assert any(e["sample"] == "g0.1" and "injected: the worker died" in e["reason"] for e in failed)
+    assert [e["attempt"] for e in events if e["kind"] == "queued" and e["sample"] == "g0.1"] == [1, 2]
+    # the hanging verifier: graded (failed) within its deadline, not waited on
+    grouped = {e["sample"]: e for e in events if e["kind"] == "grouped"}
+    grading = {e["sample"]: e["t"] for e in events if e["kind"] == "grading"}
+    hung = [s for s, e in grouped.items() if e["task"].startswith("hang-")]
+    assert hung and all(not grouped[s]["passed"] for s in hung)
+    assert all(grouped[s]["t"] - grading[s] < 60 for s in hung)
+    # the malformed calls: executed as broken calls, counted in the samples' reward terms
+    broken = [s for s, e in grouped.items() if e["group"] in (1, 2) and e["broken_calls"] >= 1]
+    assert broken
+    # the corrupt delta: refused by the replica, answered with a full snapshot, the run went on
+    rejected = [e for e in events if e["kind"] == "weights_rejected"]
+    republished = [e for e in events if e["kind"] == "republished"]
+    assert rejected and "corrupt" in rejected[0]["error"] and republished
+    assert republished[0]["kind_of"] == "full" and summary["version"] == 5  # 4 steps + the full snapshot
+    assert len(republished) == 1  # one answer: the replica loads it and follows the deltas again
+    # a group the lag made too stale is dropped with its reason, never trained
+    assert all("stale" in e["reason"] for e in events if e["kind"] == "group_failed")

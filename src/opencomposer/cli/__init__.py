@@ -44,8 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
     sub = p.add_subparsers(dest="command", required=True)
 
-    sp = sub.add_parser("speedrun", help="run every stage on the embedded default and write a report card")
-    sp.add_argument("-c", "--config", help="TOML recipe (default: built-in defaults)")
+    sp = sub.add_parser("speedrun", help="the recipe on the embedded default (base -> CPT -> SFT -> RL, evaluated "
+                                         "before and after) and its report card; resumes an unfinished run")
+    sp.add_argument("-c", "--config", help="a TOML recipe of your own (instead of a preset)")
+    sp.add_argument("--preset", default="default",
+                    help="a recipe in configs/speedrun-<preset>.toml: default (about an hour on 2 CPU cores), "
+                         "smoke (under 10 minutes), gpu-8b (documents the GPU path)")
+    sp.add_argument("--fresh", action="store_true", help="start a new run even if an unfinished one exists")
     sp.set_defaults(fn=cmd_speedrun)
 
     sb = sub.add_parser("sandbox", help="isolated, forkable workspaces").add_subparsers(dest="sub", required=True)

@@ -16,10 +16,16 @@ def cmd_speedrun(ns: argparse.Namespace, extra: list[str]) -> int:
     from opencomposer import speedrun
     from opencomposer.core.config import load_config
 
-    cfg = load_config(speedrun.SpeedrunConfig, ns.config, _overrides(ns, extra))
+    recipe = ns.config or speedrun.preset_file(ns.preset)
+    cfg = load_config(speedrun.SpeedrunConfig, recipe,
+                      [*_overrides(ns, extra), *(["--fresh=true"] if ns.fresh else [])])
+    if ns.config and cfg.preset == "default":  # a recipe of your own is not the default preset
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, preset=Path(ns.config).stem)
     run_dir = speedrun.run(cfg)
     print(run_dir.report.read_text())
-    print(f"run folder: {run_dir.root}")
+    print(f"run folder: {run_dir.root}\nreport card: {run_dir.report.with_suffix('.html')}")
     return 0
 
 

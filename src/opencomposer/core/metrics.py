@@ -19,6 +19,8 @@ class JsonlWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._f = self.path.open("a", encoding="utf-8")
+        if self._f.tell() and not _ends_with_newline(self.path):
+            self._f.write("\n")  # a line torn by a crash stays torn; what follows starts clean
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, sort_keys=True, default=str)
@@ -49,6 +51,12 @@ class EventLog(JsonlWriter):
 
     def emit(self, event: str, **fields: Any) -> None:
         self.write({"time": time.time(), "event": event, **fields})
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:

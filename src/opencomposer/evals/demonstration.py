@@ -79,5 +79,5 @@ def demonstration_turns(task: Task) -> list[dict]:
     return turns
 
 
-def demonstration_policy(task: Task) -> ScriptedPolicy:
+def demonstration_policy(task: Task, k: int = 0) -> ScriptedPolicy:
     return ScriptedPolicy(demonstration_turns(task), name="demonstration")

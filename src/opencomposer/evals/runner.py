@@ -53,7 +53,7 @@ class EvalConfig:
     model come from `--model`."""
 
 
-def oracle_policy(task: Task) -> Policy:
+def oracle_policy(task: Task, k: int = 0) -> Policy:
     """Applies the gold change through the harness's own edit tools, in one turn of parallel calls
     (`oracle_calls`)."""
     return ScriptedPolicy([{"tool_calls": oracle_calls(task)}], name="oracle", final="Applied the reference change.")
@@ -99,12 +99,12 @@ def _edits(path: Path, hunks: list[tuple[str, str]]) -> list[tuple[str, str]] | 
     return hunks
 
 
-def noop_policy(task: Task) -> Policy:
+def noop_policy(task: Task, k: int = 0) -> Policy:
     return ScriptedPolicy([{"content": "Nothing to do."}], name="noop")
 
 
 def policy_factory(model: str, model_name: str | None = None,
-                   config: OpenAIPolicyConfig | None = None) -> Callable[[Task], Policy]:
+                   config: OpenAIPolicyConfig | None = None) -> Callable[[Task, int], Policy]:
     if model == "oracle":
         return oracle_policy
     if model == "noop":
@@ -116,8 +116,20 @@ def policy_factory(model: str, model_name: str | None = None,
     from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
 
     base_url, name = resolve_model(model, model_name)
-    shared = OpenAIPolicy(config or OpenAIPolicyConfig(), base_url=base_url, model=name)
-    return lambda task: shared
+    config = config or OpenAIPolicyConfig()
+    if config.seed is None:
+        shared = OpenAIPolicy(config, base_url=base_url, model=name)
+        return lambda task, k=0: shared
+    # Seeded: one policy per episode, drawing from a seed of (task, pass), so the K passes of a task
+    # differ and a rerun or a resumed run draws the same tokens whatever ran before it.
+    return lambda task, k=0: OpenAIPolicy(config, base_url=base_url, model=name,
+                                          seed=episode_seed(config.seed, task.id, k))
+
+
+def episode_seed(seed: int, task_id: str, k: int) -> int:
+    import zlib
+
+    return seed + 10**6 * (zlib.crc32(task_id.encode()) % 10**6) + 10**4 * k
 
 
 def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: SandboxPool, traj_dir: Path,
@@ -173,7 +185,7 @@ def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: Sandb
 NOT_DONE = ("infra_error", "interrupted")
 
 
-def run_eval(cfg: EvalConfig, factory: Callable[[Task], Policy], out: Path,
+def run_eval(cfg: EvalConfig, factory: Callable[[Task, int], Policy], out: Path,
              progress: Callable[[dict], None] | None = None, judge: Policy | None = None) -> dict:
     """Run every (task, pass) not yet in `out/results.jsonl`; `judge` adds rubric scores (tasks/rubric.py).
     Ctrl-C stops the agents before their next call, keeps every finished result (each is flushed
@@ -205,7 +217,7 @@ def run_eval(cfg: EvalConfig, factory: Callable[[Task], Policy], out: Path,
             progress(rec)
 
     with results.open("a") as f:
-        futs = [ex.submit(run_episode, t, k, factory(t), cfg, pool, out / "trajectories", split_of.get(t.id),
+        futs = [ex.submit(run_episode, t, k, factory(t, k), cfg, pool, out / "trajectories", split_of.get(t.id),
                           judge, stop) for t, k in jobs]
         index = {fut: i for i, fut in enumerate(futs)}
         try:

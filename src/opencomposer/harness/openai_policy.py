@@ -41,6 +41,10 @@ class OpenAIPolicyConfig:
     price_per_mtok_in: float = 0.0
     price_per_mtok_out: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    """Reproducible sampling: request i of this policy is sent with `seed + i` (our server and vLLM
+    honour `seed`), so an episode replayed with the same seed draws the same tokens from the same
+    logits. None: the server's own randomness."""
 
 
 class OpenAIPolicy:
@@ -52,6 +56,7 @@ class OpenAIPolicy:
         self.config = dataclasses.replace(config or OpenAIPolicyConfig(), **overrides)
         self.name = self.config.model
         self._extension_server = False
+        self._requests = 0
         self._client = openai.OpenAI(
             base_url=self.config.base_url,
             api_key=os.environ.get(self.config.api_key_env) or "EMPTY",
@@ -81,6 +86,9 @@ class OpenAIPolicy:
             extra["top_k"] = cfg.top_k
         if cfg.vllm_token_ids:
             extra["return_token_ids"] = True
+        if cfg.seed is not None:
+            extra["seed"] = cfg.seed + self._requests
+        self._requests += 1
         if extra:
             kwargs["extra_body"] = extra
         t = time.perf_counter()

@@ -154,10 +154,11 @@ class WeightStore:
         return out
 
     # -- publishing -------------------------------------------------------------------------------
-    def publish(self, state: dict[str, torch.Tensor], version: int) -> dict:
+    def publish(self, state: dict[str, torch.Tensor], version: int, *, full: bool = False) -> dict:
         """Write `version`: a delta against the previous version this store published, or a full
-        snapshot (the first, every `full_every`-th, or when the tensor set changed). Returns the
-        manifest. The manifest is written after the blob, so readers never see half a version."""
+        snapshot (the first, every `full_every`-th, when the tensor set changed, or `full`: a
+        replica rejected a version and needs a base it can load). Returns the manifest. The
+        manifest is written after the blob, so readers never see half a version."""
         import zstandard
 
         if self._last is not None and version <= self._last[0]:
@@ -165,7 +166,7 @@ class WeightStore:
         t0 = time.perf_counter()
         raw = {name: _bytes(t) for name, t in state.items()}
         prev = self._last[1] if self._last is not None else None
-        full = prev is None or version % self.config.full_every == 0 or set(prev) != set(raw) or \
+        full = full or prev is None or version % self.config.full_every == 0 or set(prev) != set(raw) or \
             any(len(prev[n]) != len(raw[n]) for n in raw)
         comp = zstandard.ZstdCompressor(level=self.config.level)
         frames, entries, offset = [], [], 0

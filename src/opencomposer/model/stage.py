@@ -55,7 +55,7 @@ def run(cfg: ModelStageConfig, run_dir: RunDir, metrics: MetricsWriter) -> dict:
 
     folder = cfg.folder or run_dir.stage("model") / "smollm2-135m-instruct"
     t0 = time.perf_counter()
-    if not (folder / "model.safetensors").exists():
+    if not (folder / "config.json").exists():  # a folder of your own model is used as it is
         import_default(folder)
     import_s = time.perf_counter() - t0
     torch.manual_seed(0)

@@ -43,3 +43,127 @@ def sequence_logprobs(model: torch.nn.Module, seq: RLSequence, *, temperature: f
             return token_logprobs(h[0, pos - 1], model.lm_head.weight, ids[0, pos], t)
     finally:
         model.train(was)
+
+
+class PrefixKV:
+    """The keys and values of a group's shared prompt, computed once in training mode.
+
+    It stands in for `KVCache` in a model's forward (one row): the first forward (the prefix)
+    records what each layer caches, with its graph; every later forward (one rollout's suffix)
+    attends over the prefix through leaf copies, so each suffix's backward stops at the prefix and
+    leaves its gradient on the leaves. `backward()` then runs the prefix's backward once with the
+    gradient all G rollouts left there. The result equals G separate full forwards and backwards
+    (the prefix's gradient is linear in the gradients reaching its keys and values), at the
+    prefix's cost once instead of G times."""
+
+    def __init__(self, num_layers: int):
+        self._recorded: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
+        self._leaves: list[tuple[torch.Tensor, ...] | None] | None = None
+        self.length = 0
+
+    # -- the part of KVCache's interface a forward uses ------------------------------------------
+    def rows_tensor(self, rows) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.long)
+
+    def positions(self, rows: torch.Tensor, t: int) -> torch.Tensor:
+        return (self.length + torch.arange(t))[None]
+
+    def mask(self, rows: torch.Tensor, t: int) -> torch.Tensor | None:
+        if self.length == 0:
+            return None
+        q = self.length + torch.arange(t)
+        return (torch.arange(self.length + t)[None, :] <= q[:, None])[None, None]
+
+    def write(self, layer: int, rows: torch.Tensor, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._leaves is None:  # recording the prefix
+            self._recorded[layer] = new
+            return new
+        return tuple(torch.cat([p, x], dim=2) for p, x in zip(self._leaves[layer], new))
+
+    def advance(self, rows: torch.Tensor, t: int) -> None:
+        if self._leaves is None:
+            self.length += t
+
+    # -- the shared prefix ---------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """End of the prefix: later forwards read it through leaves that collect their gradient."""
+        self._leaves = [None if r is None else tuple(x.detach().requires_grad_(x.requires_grad) for x in r)
+                        for r in self._recorded]
+
+    def backward(self) -> None:
+        outs, grads = [], []
+        for rec, leaves in zip(self._recorded, self._leaves or []):
+            for x, leaf in zip(rec or (), leaves or ()):
+                if x.requires_grad and leaf.grad is not None:
+                    outs.append(x)
+                    grads.append(leaf.grad)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        self._recorded = [None] * len(self._recorded)
+        self._leaves = None
+
+
+def shared_prefix(seqs: list[RLSequence]) -> int:
+    """How many leading ids every sequence shares and no trained token is predicted from: the
+    group's prompt up to its last token (0 when they share nothing or route differently there)."""
+    if len(seqs) < 2:
+        return 0
+    first = seqs[0].ids
+    n = min(len(s.ids) for s in seqs)
+    for s in seqs[1:]:
+        i = 0
+        while i < n and s.ids[i] == first[i]:
+            i += 1
+        n = i
+    trained = min((next((i for i, m in enumerate(s.loss_mask) if m), len(s.ids)) for s in seqs), default=0)
+    n = min(n, trained - 1)
+    if n > 0 and seqs[0].experts is not None:
+        head = seqs[0].experts[:n]
+        if any(s.experts is None or s.experts[:n] != head for s in seqs[1:]):
+            return 0  # sampled by different versions: the prompt's replayed experts differ
+    return max(n, 0)
+
+
+class SharedPromptForward:
+    """`logprobs(seq)` for the sequences of one group whose first `length` ids are the same: the
+    prompt's forward once (`PrefixKV`), each sequence's suffix on top. With `grad`, call
+    `backward()` after every suffix's loss has been backpropagated."""
+
+    def __init__(self, model: torch.nn.Module, seqs: list[RLSequence], length: int, grad: bool = True):
+        self.model, self.length, self.grad = model, length, grad
+        self.cache = PrefixKV(len(model.layers))
+        seq = seqs[0]
+        options: dict = {"logits": False, "cache": self.cache}
+        rep = replay_tensor(seq)
+        if rep is not None:
+            options["replay"] = rep[:, :length]
+        self.was = model.training
+        model.train()
+        with torch.set_grad_enabled(grad):
+            model(torch.tensor([seq.ids[:length]], dtype=torch.long), **options)
+        self.cache.freeze()
+
+    def logprobs(self, seq: RLSequence, temperature: float | None = None) -> torch.Tensor:
+        p = self.length
+        t = temperature if temperature is not None else float((seq.sampling or {}).get("temperature") or 1.0)
+        if t <= 0:
+            raise ValueError("temperature 0 (greedy) has no logprobs to match; sample at temperature > 0")
+        ids = torch.tensor([seq.ids], dtype=torch.long)
+        pos = torch.tensor([i for i in range(1, len(seq.ids)) if seq.loss_mask[i]], dtype=torch.long)
+        if int(pos.min()) - 1 < p:
+            raise ValueError(f"a trained token at {int(pos.min())} is predicted from inside the shared prefix ({p})")
+        options: dict = {"logits": False, "cache": self.cache}
+        rep = replay_tensor(seq)
+        if rep is not None:
+            options["replay"] = rep[:, p:]
+        self.model.train()
+        with torch.set_grad_enabled(self.grad):
+            h = self.model(ids[:, p:], **options).hidden
+            return token_logprobs(h[0, pos - 1 - p], self.model.lm_head.weight, ids[0, pos], t)
+
+    def backward(self) -> None:
+        self.cache.backward()
+        self.model.train(self.was)
+
+    def close(self) -> None:
+        self.model.train(self.was)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from opencomposer.core.errors import UserError
 from opencomposer.core.rundir import write_atomic
+from opencomposer.evals.runner import episode_seed
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.harness.tools import ALL_TOOLS, ToolConfig
 from opencomposer.rl.events import EventLog, read_events
@@ -66,11 +67,17 @@ class RLConfig:
     max_inflight_groups: int = 2
     max_staleness: int = 2
     """Hard bound, per token: trainer version - the version that sampled it."""
+    sync: bool = False
+    """The synchronous baseline: a step's groups are dispatched only once the replica serves the
+    trainer's latest weights, and the next step's only after this one trained (staleness 0; what
+    `benchmarks/rl.py` compares the asynchronous pipeline against)."""
     max_attempts: int = 2
     """A sample whose rollout fails (infrastructure) is rolled out again at most this many times."""
     workers: int = 2
     epochs: int = 1
     seed: int = 0
+    """Seeds the plan and every rollout's sampling (sample i of group g draws from its own seed),
+    so a control run with learning rate 0 sees the same first draws."""
     temperature: float = 1.0
     turn_tokens: int = 256
     max_turns: int = 8
@@ -90,9 +97,16 @@ class RLConfig:
 
 
 def agent_config(cfg: RLConfig) -> AgentConfig:
-    tools = ToolConfig(disabled=tuple(t.name for t in ALL_TOOLS if t.name not in cfg.tools)) if cfg.tools \
-        else ToolConfig()
-    return AgentConfig(max_turns=cfg.max_turns, max_wall_s=cfg.rollout_timeout_s, tools=tools)
+    return harness_config(cfg.tools, cfg.max_turns, cfg.rollout_timeout_s)
+
+
+def harness_config(tools: tuple[str, ...], max_turns: int, max_wall_s: float) -> AgentConfig:
+    """The harness as RL, its evals and the speedrun run it: only `tools` enabled (all when empty)."""
+    unknown = set(tools) - {t.name for t in ALL_TOOLS}
+    if unknown:
+        raise RLError(f"unknown tool(s) {sorted(unknown)}; the harness has {sorted(t.name for t in ALL_TOOLS)}")
+    enabled = ToolConfig(disabled=tuple(t.name for t in ALL_TOOLS if t.name not in tools)) if tools else ToolConfig()
+    return AgentConfig(max_turns=max_turns, max_wall_s=max_wall_s, tools=enabled)
 
 
 class Replica:
@@ -102,6 +116,9 @@ class Replica:
     def __init__(self, cfg: RLConfig, store_url: str, events: EventLog):
         self.cfg, self.store_url, self.events = cfg, store_url, events
         self.server = self.puller = None
+        self.rejected = 0
+        """Versions this replica refused (corrupt, partial, out of order): the trainer answers with a
+        full snapshot."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -125,7 +142,8 @@ class Replica:
         try:
             self.puller.poll(wait=60.0)
         except (WeightStoreError, TimeoutError) as e:
-            self.events.record("weights_rejected", replica=self.url, error=str(e)[:500])
+            self.rejected += 1
+            self.events.record("weights_rejected", replica=self.url, version=self.version, error=str(e)[:500])
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
@@ -180,6 +198,7 @@ class Run:
         self.progress = progress
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
         self.version, self.trained = 0, set()
+        self._rejections_answered = 0
         ckpt = self.out / "step.pt"
         if ckpt.exists():
             self.version, trained = self.trainer.load(ckpt)
@@ -234,10 +253,15 @@ class Run:
                     self.events.record("replica_restarted", reason="engine not alive")
                     replica.stop()
                     replica = self.replica = Replica(cfg, self.store_url, self.events).start()
+                    self._rejections_answered = 0
                 policy = OpenAIPolicy(base_url=replica.url, model="policy", temperature=cfg.temperature,
                                       max_tokens=cfg.turn_tokens, timeout_s=cfg.rollout_timeout_s, max_retries=0)
-                # dispatch whole groups while the staleness budget allows
-                want = cfg.max_inflight_groups - len(inflight) - len(self.ready)
+                if cfg.sync:  # one step's groups at a time, sampled by the trainer's latest weights
+                    want = cfg.groups_per_step if not inflight and not self.ready else 0
+                    if want:
+                        self._await_replica(replica, store=store)
+                else:  # dispatch whole groups while the staleness budget allows
+                    want = cfg.max_inflight_groups - len(inflight) - len(self.ready)
                 for g in self._next_groups(max(0, want), set(inflight) | set(self.ready)):
                     inflight[g] = {"samples": {}, "attempts": {i: 0 for i in range(G)}}
                     for i in range(G):
@@ -253,6 +277,7 @@ class Run:
                     for fut in done:
                         g, i = futures.pop(fut)
                         self._collect(fut, g, i, inflight, executor, futures, policy, pool, stop)
+                    self._repair(store, replica)  # a refused version is answered while rollouts go on
                 if len(self.ready) < cfg.groups_per_step:
                     continue
                 batch = sorted(self.ready)[: cfg.groups_per_step]
@@ -270,9 +295,11 @@ class Run:
                     continue
                 steps_done += 1
                 summary["steps"].append(self._step(store, groups, replica))
+                self._repair(store, replica)
                 if cfg.evaluate and cfg.eval_every and steps_done % cfg.eval_every == 0 \
                         and steps_done < cfg.steps:
                     self._evaluate(replica, f"step-{steps_done}")
+            self._export()
             if cfg.evaluate:
                 summary["eval_end"] = self._evaluate(replica, f"step-{steps_done}")
         except KeyboardInterrupt:
@@ -297,9 +324,13 @@ class Run:
         sample = Sample(id=sid, group=g, index=i + 100 * (inflight[g]["attempts"][i] - 1), task=task.id)
         self.events.record("queued", sid, group=g, task=task.id, attempt=inflight[g]["attempts"][i])
 
+        seeded = dataclasses.replace(policy.config, seed=episode_seed(self.cfg.seed, sid, sample.index))
+
         def work() -> Sample:
+            from opencomposer.harness.openai_policy import OpenAIPolicy
+
             self.events.record("rolling_out", sid, policy_url=policy.config.base_url)
-            return run_rollout(task, sample, policy, pool, agent_config(self.cfg), self.cfg.rewards,
+            return run_rollout(task, sample, OpenAIPolicy(seeded), pool, agent_config(self.cfg), self.cfg.rewards,
                                self.out / "trajectories" / f"g{g}", stop=stop,
                                on_grading=lambda s: self.events.record("grading", s.id))
 
@@ -328,9 +359,51 @@ class Run:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps({"group": g, "samples": [x.to_dict() for x in samples]}) + "\n")
             for x in samples:
-                self.events.record("grouped", x.id, group=g, reward=x.reward, passed=x.passed,
+                self.events.record("grouped", x.id, group=g, reward=x.reward, passed=x.passed, task=x.task,
+                                   broken_calls=x.breakdown.get("broken_calls", 0),
                                    min_version=x.min_version)
             self.ready[g] = samples
+
+    def _repair(self, store, replica: Replica) -> None:
+        """A replica refused a version: publish the trainer's weights whole, as the next version
+        (the refused number stays refused), so that every replica has a base it can load again."""
+        if replica.rejected <= self._rejections_answered:
+            return
+        self._rejections_answered = replica.rejected
+        self.version += 1
+        self.trainer.save(self.out / "step.pt", self.version, sorted(self.trained))
+        m = store.publish(self.trainer.model.to_hf_state(), self.version, full=True)
+        self.events.record("republished", version=self.version, reason="a replica rejected a version",
+                           **_pub(m))
+
+    def _await_replica(self, replica: Replica, timeout_s: float = 120.0, store=None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while replica.version < self.version:
+            if store is not None:
+                self._repair(store, replica)
+            if time.monotonic() > deadline:
+                raise RLError(f"the replica still serves version {replica.version} {timeout_s:.0f} s after the "
+                              f"trainer published {self.version}")
+            time.sleep(0.05)
+
+    def _export(self) -> Path:
+        """The trained policy as a Hugging Face folder (`out/model`): weights, config, tokenizer."""
+        import shutil
+
+        from opencomposer.model.hf import save_model
+
+        folder = self.out / "model"
+        tmp = self.out / ".model-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(self.trainer.model, tmp)
+        for f in Path(self.cfg.model).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",
+                                                                                       "model.safetensors.index.json"):
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        self.events.record("exported", version=self.version, folder=str(folder))
+        return folder
 
     def _evaluate(self, replica: Replica, label: str) -> dict:
         """Mean pass rate and best-of-K on the held-out split, through the same harness and server,
@@ -344,7 +417,7 @@ class Run:
             time.sleep(0.1)
         ecfg = EvalConfig(tasks=cfg.tasks, split=cfg.eval_split, passes=cfg.eval_samples, concurrency=cfg.workers,
                           agent=agent_config(cfg), policy=OpenAIPolicyConfig(temperature=cfg.temperature,
-                                                                             max_tokens=cfg.turn_tokens))
+                                                                             max_tokens=cfg.turn_tokens, seed=cfg.seed))
         s = run_eval(ecfg, policy_factory(replica.url, "policy", ecfg.policy), self.out / "evals" / label)
         rec = {"label": label, "version": replica.version, "accuracy": s["accuracy"],
                "interval": s.get("accuracy_ci95"), f"best_of_{cfg.eval_samples}": s.get(f"best_of_{cfg.eval_samples}"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from opencomposer.rl.forward import sequence_logprobs
+from opencomposer.rl.forward import SharedPromptForward, sequence_logprobs, shared_prefix
 from opencomposer.rl.objective import ObjectiveConfig, group_advantages, rewards_with_kl, token_loss
 from opencomposer.rl.rollout import Sample
 
@@ -28,6 +28,9 @@ class TrainerConfig:
     lr: float = 1e-5
     grad_clip: float = 1.0
     betas: tuple[float, float] = (0.9, 0.99)
+    share_prompt: bool = True
+    """Compute a group's shared prompt once in the training forward (and the reference model's) and
+    accumulate its gradient from all G rollouts: exact, and the prompt's cost paid once (`rl/forward.py`)."""
 
 
 def sampled(seq) -> torch.Tensor:
@@ -45,9 +48,23 @@ class RLTrainer:
                 p.requires_grad_(False)
         self.opt = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
 
-    def _ref_logprobs(self, seq) -> torch.Tensor:
+    def _shared(self, model, group: list[Sample], grad: bool) -> SharedPromptForward | None:
+        """The group's first sequences share the system prompt and the task: their forward once."""
+        firsts = [s.sequences[0] for s in group if s.sequences]
+        if not self.config.share_prompt or len(firsts) < 2:
+            return None
+        n = shared_prefix(firsts)
+        return SharedPromptForward(model, firsts, n, grad=grad) if n > 0 else None
+
+    def _group_refs(self, group: list[Sample]) -> list[list[torch.Tensor]]:
         with torch.no_grad():
-            return sequence_logprobs(self.ref, seq).detach()
+            shared = self._shared(self.ref, group, grad=False)
+            try:
+                return [[(shared.logprobs(q) if shared is not None and qi == 0 else sequence_logprobs(self.ref, q))
+                         .detach() for qi, q in enumerate(s.sequences)] for s in group]
+            finally:
+                if shared is not None:
+                    shared.close()
 
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
@@ -56,7 +73,7 @@ class RLTrainer:
                  "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
-            refs = [[self._ref_logprobs(q) for q in s.sequences] for s in group] if self.ref is not None else None
+            refs = self._group_refs(group) if self.ref is not None else None
             kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
                        for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
             stats["kl"] += sum(kl_sums)
@@ -64,9 +81,11 @@ class RLTrainer:
             if zero:
                 stats["zero_advantage_groups"] += 1
                 continue
+            shared = self._shared(self.model, group, grad=True)
             for si, (s, a) in enumerate(zip(group, adv)):
                 for qi, seq in enumerate(s.sequences):
-                    logp = sequence_logprobs(self.model, seq)
+                    logp = (shared.logprobs(seq) if shared is not None and qi == 0
+                            else sequence_logprobs(self.model, seq))
                     ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
                     loss, st = token_loss(logp, sampled(seq), torch.tensor(a), cfg, logp_ref=ref)
                     loss.backward()
@@ -74,6 +93,9 @@ class RLTrainer:
                     stats["trained_tokens"] += st["tokens"]
                     stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
                     stats["truncated"] += st.get("truncated", 0)
+            if shared is not None:
+                shared.backward()  # the prompt's backward once, with every rollout's gradient
+                stats["shared_prompt_tokens"] = stats.get("shared_prompt_tokens", 0) + shared.length
         grads = [p for p in self.model.parameters() if p.grad is not None]
         if grads:
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip))

@@ -2,9 +2,9 @@
 
 CPT: a small mix of standard-library code (the base-model evals' repository, `tomllib`, is not in
 it), a few optimizer steps, and the base-model evals — codebase perplexity on the held-out
-repository and state tracking — before and after. SFT: the trajectories the harness and eval
-stages just produced (oracle runs on real tasks: tool calls included), rendered by the one chat
-renderer with the loss on assistant tokens only, starting from the CPT model.
+repository and state tracking — before and after. SFT: the trajectories it is given (the speedrun
+gives demonstrations of the train split: search, read, edit, compile, answer through the harness's
+tools), rendered by the one chat renderer with the loss on assistant tokens only, from the CPT model.
 """
 
 from __future__ import annotations
@@ -79,13 +79,13 @@ def run_cpt(cfg: CPTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: 
     return out
 
 
-def run_sft(cfg: SFTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: Path, progress=None) -> dict:
+def run_sft(cfg: SFTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: Path, data: list[Path],
+            progress=None) -> dict:
+    """SFT of `base` on the trajectories in `data` (the speedrun passes demonstrations of the train split)."""
     from opencomposer.train import sft
     from opencomposer.train.trainer import OptimConfig, PhaseConfig
 
-    data = [str(p) for p in (run_dir.root / "harness" / "trajectory.json", run_dir.root / "evals" / "oracle")
-            if p.exists()]
-    scfg = sft.SFTConfig(model=str(base), data=tuple(data),
+    scfg = sft.SFTConfig(model=str(base), data=tuple(map(str, data)),
                          phases=(PhaseConfig(name="sft", steps=cfg.steps, seq_len=cfg.seq_len, lr=cfg.lr, warmup=1,
                                              schedule="constant"),),
                          optim=OptimConfig(batch_size=cfg.batch_size, ckpt_every=10**6, checkpoint_at_end=False))

@@ -1,4 +1,10 @@
-"""The report card: made from a run folder alone (config, events, stage summaries)."""
+"""The report card: made from a run folder alone (config, events, stage summaries, eval results,
+trajectories). `report.md` in Markdown, `report.html` one self-contained page with charts
+(`report/page.py`).
+
+Order: the recipe first — agent pass rate on the held-out split at base, after CPT+SFT and after RL;
+CPT, SFT and RL with their curves; time per stage — then the system checks (one short section per
+component check), then the recipe and environment."""
 
 from __future__ import annotations
 
@@ -104,12 +110,6 @@ def cpt_section(s: dict) -> list[str]:
             f"{a['state_tracking']['mean_similarity']:.3f} | {h1 if h1 is None else f'{h1:.4f}'} |", ""]
 
 
-def sft_section(s: dict) -> list[str]:
-    return ["## SFT", "",
-            f"{s['examples']} conversations from this run's agent trajectories ({s['assistant_tokens']} assistant "
-            f"tokens carry the loss), {s['steps']} steps: loss {s['loss_before']:.4f} -> {s['loss_after']:.4f}.", ""]
-
-
 def kernels_section(s: dict) -> list[str]:
     t, c = s["training"], s["config"]
     lines = ["## Low-precision MoE kernels", "",
@@ -128,28 +128,133 @@ def kernels_section(s: dict) -> list[str]:
     return lines + ["", "![training loss per backend](kernels/loss.svg)", ""]
 
 
-SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section, "model": model_section,
-            "inference": inference_section, "cpt": cpt_section, "sft": sft_section,
-            "kernels": kernels_section}
+def sft_section(s: dict) -> list[str]:
+    return ["## SFT", "",
+            f"{s['examples']} conversations ({s['assistant_tokens']} assistant tokens carry the loss), "
+            f"{s['steps']} steps: loss {s['loss_before']:.4f} -> {s['loss_after']:.4f} (on held-out conversations when "
+            "there are some, else on the training ones).", ""]
 
 
-def render(run_dir: RunDir) -> str:
-    lines = [f"# opencomposer report card: `{run_dir.root.name}`", ""]
-    events = list(read_jsonl(run_dir.events))
-    lines += ["| stage | status | seconds |", "|---|---|---|"]
-    for e in events:
+AGENT_STAGES = {"agent_base": "base", "agent_sft": "after CPT + SFT", "agent_rl": "after RL"}
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def _interval(ci) -> str:
+    return "–" if not ci else f"[{ci[0]:.0%}, {ci[1]:.0%}]"
+
+
+def recipe_section(run: dict[str, dict]) -> list[str]:
+    rows = {k: run[k] for k in AGENT_STAGES if k in run}
+    if not rows:
+        return []
+    any_row, agent = next(iter(rows.values())), run["config"].get("agent", {})
+    out = ["## Agent pass rate on the held-out split", "",
+           f"The model served by our server, acting through the harness (tools: {', '.join(agent.get('tools', []))}; "
+           f"{agent.get('turn_tokens')} tokens a turn, {agent.get('max_turns')} turns), graded by the tasks' hidden "
+           f"tests in sandboxes: {any_row['tasks']} tasks x {any_row['samples']} samples.", "",
+           "| model | pass rate | 95% interval | best-of-K | pass@1 | turns | completion tokens | tool calls | "
+           "broken calls | infra errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for k, s in rows.items():
+        out.append(f"| {AGENT_STAGES[k]} | {_pct(s['accuracy'])} | {_interval(s['accuracy_ci95'])} | "
+                   f"{_pct(s['best_of_k'])} | {_pct(s['pass@1'])} | {s['mean_turns']:.1f} | "
+                   f"{s['mean_completion_tokens']:.0f} | {s['mean_tool_calls']:.1f} | {_pct(s['tool_error_rate'])} | "
+                   f"{s['infra_errors']} |")
+    return out + [""]
+
+
+def rl_section(s: dict) -> list[str]:
+    curve = s["curve"]
+    if not curve:
+        return ["## RL", "", "No step was trained.", ""]
+    stale = ", ".join(f"{k}: {v}" for k, v in sorted(s["staleness"].items(), key=lambda kv: int(kv[0]))) or "–"
+    zero = sum(r["zero_advantage_groups"] for r in curve)
+    return ["## RL", "",
+            f"{len(curve)} steps (policy version {s['version']}), {s['trained_groups']} groups trained, "
+            f"{s['failed_groups']} failed, {zero} with all rewards equal (no gradient), over {s['train_tasks']} train "
+            f"tasks ({s['epochs']} epoch(s)).", "",
+            "| | first step | last step |", "|---|---|---|",
+            f"| reward | {curve[0]['reward']:.3f} | {curve[-1]['reward']:.3f} |",
+            f"| pass rate of rollouts | {curve[0]['pass_rate']:.0%} | {curve[-1]['pass_rate']:.0%} |",
+            f"| KL per token | {curve[0]['kl_per_token']:.2e} | {curve[-1]['kl_per_token']:.2e} |",
+            f"| tokens per rollout | {curve[0]['tokens_per_rollout']:.0f} | {curve[-1]['tokens_per_rollout']:.0f} |",
+            "",
+            f"Staleness of trained tokens (versions behind: tokens): {stale}. Weight sync: "
+            f"{sum(r['delta_bytes'] for r in curve) / 1e6:.1f} MB published for {len(curve)} versions "
+            f"({curve[-1]['full_bytes'] / 1e6:.0f} MB each in full).", ""]
+
+
+def stages_section(events: list[dict]) -> list[str]:
+    lines = ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
+    for name, e in stage_status(events).items():
         if e["event"] == "stage_end":
-            lines.append(f"| {e['stage']} | done | {e['seconds']:.1f} |")
-        elif e["event"] in ("stage_failed", "stage_skipped"):
-            lines.append(f"| {e['stage']} | {e['event'][6:]} | {e.get('error', '')} |")
-    lines.append("")
-    for name, section in SECTIONS.items():
+            lines.append(f"| {name} | done | {e['seconds']:.1f} |")
+        elif e["event"] == "stage_start":
+            lines.append(f"| {name} | **unfinished** | |")
+        else:
+            lines.append(f"| {name} | {'**failed**' if e['event'] == 'stage_failed' else 'skipped'} | "
+                         f"{e.get('error', '')} |")
+    return lines + [""]
+
+
+def stage_status(events: list[dict]) -> dict[str, dict]:
+    """The last record of each stage (a resumed run appends to the same log)."""
+    last: dict[str, dict] = {}
+    for e in events:
+        if "stage" in e:
+            last[e["stage"]] = e
+    return last
+
+
+def environment_section(env: dict, preset: str) -> list[str]:
+    return ["## Recipe and environment", "",
+            f"Preset `{preset}` (the resolved recipe: `config.json`). " + ", ".join(f"{k}: {v}" for k, v in env.items())
+            + ".", ""]
+
+
+CHECK_SECTIONS = {"sandbox": sandbox_section, "harness": harness_section, "evals": evals_section,
+                  "model": model_section, "inference": inference_section, "kernels": kernels_section}
+RECIPE_SECTIONS = {"cpt": cpt_section, "sft": sft_section, "rl": rl_section}
+
+
+def load_run(run_dir: RunDir) -> dict:
+    """Everything the report shows, read from the run folder."""
+    run: dict = {"events": list(read_jsonl(run_dir.events)), "config": {}, "environment": {}}
+    for name in ("config", "environment"):
+        p = run_dir.root / f"{name}.json"
+        if p.exists():
+            run[name] = run_dir.read_json(p.name)
+    for name in (*AGENT_STAGES, *RECIPE_SECTIONS, *CHECK_SECTIONS):
         p = run_dir.root / name / "summary.json"
         if p.exists():
-            lines += section(run_dir.read_json(f"{name}/summary.json"))
+            run[name] = run_dir.read_json(f"{name}/summary.json")
+    return run
+
+
+def render(run_dir: RunDir, run: dict | None = None) -> str:
+    run = run or load_run(run_dir)
+    preset = run["config"].get("preset", "?")
+    lines = [f"# opencomposer report card: `{run_dir.root.name}` (preset `{preset}`)", ""]
+    lines += recipe_section(run)
+    for name, section in RECIPE_SECTIONS.items():
+        if name in run:
+            lines += section(run[name])
+    lines += stages_section(run["events"])
+    checks = [name for name in CHECK_SECTIONS if name in run]
+    if checks:
+        lines += ["# System checks", ""]
+        for name in checks:
+            lines += ["#" + h if h.startswith("## ") else h for h in CHECK_SECTIONS[name](run[name])]
+    lines += environment_section(run["environment"], preset)
     return "\n".join(lines) + "\n"
 
 
 def write(run_dir: RunDir) -> Path:
-    write_atomic(run_dir.report, render(run_dir))
+    from opencomposer.report import page
+
+    run = load_run(run_dir)
+    write_atomic(run_dir.report, render(run_dir, run))
+    write_atomic(run_dir.report.with_suffix(".html"), page.render(run_dir, run))
     return run_dir.report

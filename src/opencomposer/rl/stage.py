@@ -1,0 +1,77 @@
+"""The speedrun's RL stage: the asynchronous loop (`rl/loop.py`) on the SFT model, over the task
+family's train split, with the agent settings every agent stage shares. The loop writes its own
+files into `rl/` (events, metrics, group and step checkpoints, weights); a resumed speedrun resumes
+the loop from them. The trained policy is exported to `rl/model` for the agent eval after it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from opencomposer.core.metrics import MetricsWriter
+from opencomposer.core.rundir import RunDir
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RLStageConfig:
+    steps: int = 8
+    groups_per_step: int = 1
+    group_size: int = 4
+    max_inflight_groups: int = 2
+    max_staleness: int = 2
+    workers: int = 2
+    sync: bool = False
+    """True: the synchronous baseline (staleness 0; deterministic with workers = 1)."""
+    lr: float = 1e-6
+    kl_coef: float = 0.001
+    normalizer: float = 4096.0
+    effort: float = 0.1
+    """Weight of the concave effort penalty (report §4.2)."""
+
+
+def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
+        split: str = "train", progress=None) -> dict:
+    from opencomposer.rl.loop import RLConfig
+    from opencomposer.rl.loop import run as run_loop
+    from opencomposer.rl.objective import ObjectiveConfig
+    from opencomposer.rl.rewards import RewardConfig
+    from opencomposer.rl.trainer import TrainerConfig
+    from opencomposer.tasks.format import load_dataset
+
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(f"rl: no model at {model} (did SFT fail?)")
+    n = len(load_dataset(tasks, split))
+    if not n:
+        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}")
+    # single epoch while the train split is large enough; a small family is visited again
+    epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
+    rcfg = RLConfig(model=model, tasks=tasks, split=split, evaluate=False, steps=cfg.steps,
+                    groups_per_step=cfg.groups_per_step, max_inflight_groups=cfg.max_inflight_groups,
+                    max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
+                    seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
+                    max_turns=agent.max_turns, rollout_timeout_s=agent.episode_timeout_s, tools=agent.tools,
+                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
+                    objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
+                                              kl_coef=cfg.kl_coef),
+                    rewards=RewardConfig(effort=cfg.effort))
+    out = run_dir.stage("rl")
+    summary = run_loop(rcfg, out, progress=progress)
+    steps = summary.pop("steps")
+    from opencomposer.core.metrics import read_jsonl
+
+    curve = list(read_jsonl(out / "metrics.jsonl"))  # every step of the run, resumed ones included
+    stale: dict[str, int] = {}
+    for rec in curve:
+        for k, v in rec.get("staleness", {}).items():
+            stale[k] = stale.get(k, 0) + v
+    result = {**summary, "model": str(out / "model"), "train_tasks": n, "epochs": epochs, "steps_this_call": len(steps),
+              "curve": [{k: rec[k] for k in ("step", "version", "reward", "pass_rate", "kl_per_token", "loss",
+                                              "tokens_per_rollout", "turns_per_rollout", "zero_advantage_groups",
+                                              "broken_calls", "edit_rate", "train_seconds", "publish_seconds",
+                                              "delta_bytes", "full_bytes")} for rec in curve],
+              "staleness": stale}
+    run_dir.write_json("rl/summary.json", result)
+    metrics.log(stage="rl", steps=len(curve), reward_first=curve[0]["reward"] if curve else None,
+                reward_last=curve[-1]["reward"] if curve else None)
+    return result

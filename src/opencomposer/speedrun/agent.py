@@ -1,0 +1,129 @@
+"""The speedrun's agent stages: a model served by our server, acting through the real harness on
+the task family's held-out split, graded in sandboxes (`agent_base`, `agent_sft`, `agent_rl` all
+measure the same way); and the demonstrations SFT learns from (grep, read, edit, compile, answer,
+built from the train split's gold changes through the same restricted tool set).
+
+Every episode samples from its own seed (task, pass), so a rerun, or a resumed run, draws the same
+tokens; with `concurrency` 1 the batches the engine forms are the same too, and the numbers repeat
+exactly (the smoke preset relies on it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from opencomposer.core.metrics import MetricsWriter, read_jsonl
+from opencomposer.core.rundir import RunDir
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentSettings:
+    """How the agent runs in every agent stage (demonstrations, evals, RL rollouts): one harness."""
+    tools: tuple[str, ...] = ("grep", "read_file", "search_replace", "run_terminal_cmd")
+    """Fewer tools, a shorter prompt (report §4 removes tools in training for steerability)."""
+    turn_tokens: int = 256
+    """max_tokens per policy call: the embedded default rambles to the limit otherwise."""
+    max_turns: int = 6
+    temperature: float = 1.0
+    seed: int = 0
+    episode_timeout_s: float = 900.0
+    slots: int = 8
+    """Engine slots of the served model."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentEvalConfig:
+    split: str = "held_out"
+    samples: int = 4
+    """K: passes per task (mean pass rate over all of them, best-of-K per task)."""
+    max_tasks: int | None = None
+    concurrency: int = 2
+
+
+def harness(agent: AgentSettings):
+    from opencomposer.rl.loop import harness_config
+
+    return harness_config(agent.tools, agent.max_turns, agent.episode_timeout_s)
+
+
+def run_agent_eval(name: str, cfg: AgentEvalConfig, agent: AgentSettings, run_dir: RunDir, metrics: MetricsWriter,
+                   model: Path, tasks: Path, progress=None) -> dict:
+    from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+    from opencomposer.harness.openai_policy import OpenAIPolicyConfig
+    from opencomposer.inference.server import ServeConfig, Server, load_served
+
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(f"{name}: no model at {model} (did the stage that makes it fail?)")
+    engine, tok = load_served(model, slots=agent.slots)
+    server = Server(engine, tok, "policy", ServeConfig(port=0, default_max_tokens=agent.turn_tokens)).start()
+    out = run_dir.stage(name)
+    try:
+        ecfg = EvalConfig(tasks=tasks, split=cfg.split, passes=cfg.samples, concurrency=cfg.concurrency,
+                          max_tasks=cfg.max_tasks, agent=harness(agent),
+                          policy=OpenAIPolicyConfig(temperature=agent.temperature, max_tokens=agent.turn_tokens,
+                                                    seed=agent.seed, timeout_s=agent.episode_timeout_s, max_retries=0))
+        s = run_eval(ecfg, policy_factory(server.url, "policy", ecfg.policy), out, progress=progress)
+        engine_stats = {k: v for k, v in engine.stats.items() if isinstance(v, (int, float))}
+    finally:
+        server.stop()
+    summary = {"model": str(model), "split": cfg.split, "samples": cfg.samples, "tasks": s["tasks"],
+               "episodes": s["episodes"], "infra_errors": s["infra_errors"], "accuracy": s["accuracy"],
+               "accuracy_ci95": s["accuracy_ci95"], "pass@1": s["pass@1"],
+               f"best_of_{cfg.samples}": s[f"best_of_{cfg.samples}"], "best_of_k": s[f"best_of_{cfg.samples}"],
+               "tool_error_rate": s["tool_error_rate"], **episode_stats(out)}
+    summary["engine"] = engine_stats
+    run_dir.write_json(f"{name}/summary.json", summary)
+    metrics.log(stage=name, accuracy=summary["accuracy"], best_of_k=summary["best_of_k"])
+    return summary
+
+
+def episode_stats(out: Path) -> dict:
+    """Per-task and mean tokens, turns, cost and the tool-use mix, from the eval's own files."""
+    from collections import defaultdict
+
+    latest = {(r["task"], r["pass"]): r for r in read_jsonl(out / "results.jsonl")}
+    records = [r for r in latest.values() if r["status"] != "infra_error"]
+    mix: Counter = Counter()
+    for r in records:
+        path = out / "trajectories" / f"{r['task']}.{r['pass']}.json"
+        if path.exists():
+            import json
+
+            mix.update(c["name"] for c in json.loads(path.read_text()).get("tool_calls", []))
+    per_task: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        per_task[r["task"]].append(r)
+    n = max(1, len(records))
+
+    def mean(rs, k):
+        return sum(r[k] for r in rs) / max(1, len(rs))
+
+    return {
+        "mean_turns": mean(records, "turns"), "mean_prompt_tokens": mean(records, "prompt_tokens"),
+        "mean_completion_tokens": mean(records, "completion_tokens"), "mean_tool_calls": mean(records, "tool_calls"),
+        "mean_cost_usd": mean(records, "cost_usd"), "mean_seconds": mean(records, "seconds"),
+        "tool_mix": {k: v / n for k, v in sorted(mix.items())},
+        "per_task": {t: {"passed": sum(r["passed"] for r in rs), "episodes": len(rs), "turns": mean(rs, "turns"),
+                         "completion_tokens": mean(rs, "completion_tokens"), "tool_calls": mean(rs, "tool_calls"),
+                         "cost_usd": mean(rs, "cost_usd")} for t, rs in sorted(per_task.items())},
+    }
+
+
+def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path) -> list[Path]:
+    """Demonstrations of the train split through the harness (`evals/demonstration.py`), with the
+    agent stages' tool set, so SFT renders the same system prompt the policy will see. Only
+    episodes that pass go to SFT."""
+    import dataclasses
+
+    from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+
+    # the demonstration's own five turns, whatever the agent stages' turn budget
+    demo = dataclasses.replace(agent, max_turns=max(agent.max_turns, 8))
+    s = run_eval(EvalConfig(tasks=tasks, split=split, passes=1, concurrency=2, agent=harness(demo)),
+                 policy_factory("demonstration"), out)
+    passed = [out / "trajectories" / f"{r['task']}.{r['pass']}.json" for r in read_jsonl(out / "results.jsonl")
+              if r["passed"]]
+    if not passed:
+        raise RuntimeError(f"no demonstration of split {split!r} passed ({s['statuses']}); SFT would learn nothing")
+    return sorted(set(passed))

@@ -1,0 +1,91 @@
+"""The group's shared prompt computed once in the training forward equals G full forwards: the same
+logprobs and the same gradient on every parameter, for the dense family and for the MoE family
+with router replay; and the prefix is never stretched past what the sequences share."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opencomposer.model.deepseek import DeepseekModel, preset  # noqa: E402
+from opencomposer.model.llama import LlamaConfig, LlamaModel  # noqa: E402
+from opencomposer.rl.forward import SharedPromptForward, sequence_logprobs, shared_prefix  # noqa: E402
+from opencomposer.rl.sequences import RLSequence  # noqa: E402
+
+
+def dense():
+    torch.manual_seed(0)
+    return LlamaModel(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+
+
+def moe():
+    torch.manual_seed(0)
+    model = DeepseekModel(preset("tiny-moe"))
+    with torch.no_grad():
+        for layer in model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    return model
+
+
+def group(model, prompt_len=23, suffixes=(7, 12, 9), seed=1) -> list[RLSequence]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+    seqs = []
+    for n in suffixes:
+        ids = prompt + torch.randint(0, vocab, (n,), generator=g).tolist()
+        mask = [0] * prompt_len + [1] * n
+        experts = None
+        if isinstance(model, DeepseekModel):  # what the sampler would have routed, recorded per position
+            with torch.no_grad():
+                experts = model.eval().run(torch.tensor([ids]), logits=False).routed_experts[0, :-1].tolist()
+        seqs.append(RLSequence(ids=ids, loss_mask=mask, logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                               experts=experts, sampling={"temperature": 0.8}))
+    return seqs
+
+
+def run(model, seqs, shared: bool):
+    model.zero_grad(set_to_none=True)
+    weights = [1.0, -0.5, 2.0]
+    out = []
+    sp = SharedPromptForward(model, seqs, shared_prefix(seqs)) if shared else None
+    for w, seq in zip(weights, seqs):
+        logp = sp.logprobs(seq) if sp is not None else sequence_logprobs(model, seq)
+        (w * logp).sum().backward()
+        out.append(logp.detach())
+    if sp is not None:
+        sp.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", [dense, moe], ids=["dense", "moe-replay"])
+def test_shared_prompt_equals_full_forwards(family):
+    model = family()
+    seqs = group(model)
+    assert shared_prefix(seqs) == 22  # the prompt up to its last token, which predicts the first trained one
+    full_lp, full_g = run(model, seqs, shared=False)
+    lp, g = run(model, seqs, shared=True)
+    for a, b in zip(full_lp, lp):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert full_g.keys() == g.keys() and len(g) > 5
+    for name in full_g:
+        torch.testing.assert_close(g[name], full_g[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the prompt's part of the gradient is there: an embedding row used only by the prompt moved
+    prompt_only = set(seqs[0].ids[:22]) - {t for s in seqs for t in s.ids[22:]}
+    row = next(iter(prompt_only))
+    emb = next(k for k in g if "embed" in k)
+    assert g[emb][row].abs().sum() > 0
+
+
+def test_the_prefix_stops_where_the_sequences_differ_or_route_differently():
+    model = moe()
+    seqs = group(model, prompt_len=10, suffixes=(5, 5))
+    assert shared_prefix(seqs) == 9
+    seqs[1].ids[4] = (seqs[1].ids[4] + 1) % model.config.vocab_size
+    assert shared_prefix(seqs) == 4
+    seqs = group(model, prompt_len=10, suffixes=(5, 5))
+    seqs[1].experts[2] = [[(e + 1) % 8 for e in layer] for layer in seqs[1].experts[2]]
+    assert shared_prefix(seqs) == 0  # sampled by another version: its prompt's experts differ
+    assert shared_prefix(seqs[:1]) == 0
