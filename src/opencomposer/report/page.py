@@ -108,7 +108,7 @@ def recipe(run: dict) -> str:
     first = run[rows[0]]
     out.append(f"<p>{first['tasks']} held-out tasks x {first['samples']} samples each; K = {first['samples']}. "
                "The interval is Wilson's, over episodes (samples of one task are correlated, so it is optimistic "
-               "with few tasks).</p>")
+               "with few tasks). Cost is priced from the policy's per-token prices, zero for a model served here.</p>")
     out.append(figure("chart-passrate", "held-out pass rate with its 95% interval",
                       bars([(AGENT_STAGES[k], run[k]["accuracy"] or 0.0, run[k].get("accuracy_ci95")) for k in rows],
                            "pass rate")))
@@ -125,16 +125,17 @@ def recipe(run: dict) -> str:
                 for t in tools) + "</tr>")
         out.append("</table>")
     out.append("<h3>Per task</h3><table><tr><th>task</th>" + "".join(
-        f"<th>{AGENT_STAGES[k]}: passed</th><th>tokens</th><th>turns</th>" for k in rows) + "</tr>")
+        f"<th>{AGENT_STAGES[k]}: passed</th><th>tokens</th><th>turns</th><th>cost (USD)</th>" for k in rows) + "</tr>")
     for t in sorted({t for k in rows for t in run[k].get("per_task", {})}):
         cells = []
         for k in rows:
             r = run[k].get("per_task", {}).get(t)
             src = f"{k}/summary.json"
-            cells.append("<td>–</td><td>–</td><td>–</td>" if r is None else
+            cells.append("<td>–</td><td>–</td><td>–</td><td>–</td>" if r is None else
                          f"<td>{num(src, f'per_task.{t}.passed', r['passed'], '{}')}/{r['episodes']}</td>"
                          f"<td>{num(src, f'per_task.{t}.completion_tokens', r['completion_tokens'], '{:.0f}')}</td>"
-                         f"<td>{num(src, f'per_task.{t}.turns', r['turns'], '{:.1f}')}</td>")
+                         f"<td>{num(src, f'per_task.{t}.turns', r['turns'], '{:.1f}')}</td>"
+                         f"<td>{num(src, f'per_task.{t}.cost_usd', r['cost_usd'], '{:.4f}')}</td>")
         out.append(f"<tr><td>{html.escape(t)}</td>{''.join(cells)}</tr>")
     return "".join(out) + "</table>"
 
