@@ -157,7 +157,7 @@ def part_pipeline(tmp: Path, steps: int) -> dict:
             d = tmp / name
             summary = loop.Run(cfg, d).run()
             ev = read_events(d / "events.jsonl")
-            start = next(e["t"] for e in ev if e["kind"] == "run_started")
+            start = next(e["t"] for e in ev if e["kind"] == "queued")  # after the held-out eval at the start
             last = max(e["t"] for e in ev if e["kind"] == "step")
             trained = sum(1 for e in ev if e["kind"] == "trained")
             stale: dict[str, int] = {}

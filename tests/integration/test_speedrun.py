@@ -44,6 +44,7 @@ def events(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.timeout(2 * SMOKE_LIMIT_S)  # the module's smoke run is set up in the first of these
 def test_smoke_runs_the_recipe(smoke):
     ev = [(e["event"], e.get("stage")) for e in events(smoke)]
     for stage in ["sandbox", "harness", "evals", "model", "inference", "kernels", *RECIPE]:
@@ -96,6 +97,7 @@ def browse(page: Path) -> tuple[str, str]:
     return r.stdout, r.stderr
 
 
+@pytest.mark.timeout(2 * SMOKE_LIMIT_S)  # the module's smoke run is set up in the first of these
 def test_report_card_in_a_browser(smoke):
     dom, log = browse(smoke / "report.html")
     console = [line for line in log.splitlines() if ":CONSOLE" in line]
@@ -129,6 +131,7 @@ def numbers(run: Path) -> dict:
     return out
 
 
+@pytest.mark.timeout(2 * SMOKE_LIMIT_S)  # the module's smoke run is set up in the first of these
 def test_killed_mid_stage_and_resumed_ends_with_the_same_numbers(smoke, tmp_path):
     """The uninterrupted run's folder as it stood when SFT ended is copied (the stages before are
     not repeated: that would double the test's time); the speedrun continues it, is SIGKILLed once

@@ -119,6 +119,7 @@ class Replica:
         self.rejected = 0
         """Versions this replica refused (corrupt, partial, out of order): the trainer answers with a
         full snapshot."""
+        self._last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,7 +142,11 @@ class Replica:
 
         try:
             self.puller.poll(wait=60.0)
+            self._last_error = None
         except (WeightStoreError, TimeoutError) as e:
+            if str(e) == self._last_error:
+                return  # the same refusal on every poll until a full snapshot comes: recorded once
+            self._last_error = str(e)
             self.rejected += 1
             self.events.record("weights_rejected", replica=self.url, version=self.version, error=str(e)[:500])
 
