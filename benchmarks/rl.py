@@ -1,7 +1,7 @@
 """RL throughput, measured side by side in one run:
 
-    .venv/bin/python benchmarks/rl.py [--part all|train|sync|pipeline] [--steps 8] [--rounds 3]
-                                      # writes "rl" in docs/benchmarks.md
+    .venv/bin/python benchmarks/rl.py [--part all|train,sync,pipeline] [--steps 8] [--rounds 3]
+                                      # writes "rl-<part>" sections in docs/benchmarks.md
 
 - train: one trainer step of SmolLM2-135M on a group of G=4 rollouts sharing a harness prompt (the
   system prompt with the tool schemas of the recipe's four tools and a task, rendered by our chat
@@ -173,8 +173,9 @@ def part_pipeline(tmp: Path, steps: int) -> dict:
     return out
 
 
-def markdown(res: dict, cmd: str) -> str:
-    lines = ["## rl", "", f"`{cmd}`; medians where rounds repeat. CPU, 2 cores, noisy VM.", ""]
+def markdown(res: dict, cmd: str, note: str = "") -> str:
+    lines = [f"## rl: {', '.join(res)}", "", f"`{cmd}`; medians where rounds repeat. CPU, 2 cores, noisy VM. {note}",
+             ""]
     if "train" in res:
         t = res["train"]
         s = t["seconds"]
@@ -209,12 +210,12 @@ def markdown(res: dict, cmd: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=["all", "train", "sync", "pipeline"])
+    ap.add_argument("--part", default="all", help="all, or a comma-separated list of train, sync, pipeline")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     args = ap.parse_args()
-    cmd = "benchmarks/rl.py " + " ".join(sys.argv[1:])
-    parts = ["train", "sync", "pipeline"] if args.part == "all" else [args.part]
+    parts = ["train", "sync", "pipeline"] if args.part == "all" else args.part.split(",")
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         for p in parts:
@@ -223,10 +224,11 @@ def main() -> int:
             res[p] = {"train": lambda: part_train(d, args.rounds), "sync": lambda: part_sync(d, args.rounds),
                       "pipeline": lambda: part_pipeline(d, args.steps)}[p]()
             print(json.dumps(res[p], indent=1, default=str), flush=True)
-    md = markdown(res, cmd.strip())
-    if args.part == "all":
-        write_section(ROOT / "docs" / "benchmarks.md", "rl", md)
-    print(md)
+    for p in parts:  # one section per part, so parts can be measured in separate invocations
+        md = markdown({p: res[p]}, f"benchmarks/rl.py --part {p}" + (f" --steps {args.steps}" if p == "pipeline"
+                                                                       else f" --rounds {args.rounds}"), args.note)
+        write_section(ROOT / "docs" / "benchmarks.md", f"rl-{p}", md)
+        print(md)
     return 0
 
 

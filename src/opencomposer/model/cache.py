@@ -132,11 +132,29 @@ class KVCache:
         return tuple(st[rows, :, :end] for st in store)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+class LowerRightCausal:
+    """The mask of queries that are the last positions of the keys, each seeing every key up to
+    its own (a training forward over a prefix computed before, `rl/forward.py`). `attend` runs it
+    through SDPA's causal kernel instead of an explicit (t, S) mask: on CPU an explicit mask takes
+    the math path, which keeps the whole attention matrix of every layer for the backward (tens of
+    GB at a few thousand tokens for SmolLM2)."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None,
            ) -> torch.Tensor:
-    """Scaled dot-product attention; causal when `mask` is None (keys and queries aligned). Keys
-    and values may have fewer heads than queries (grouped-query attention)."""
+    """Scaled dot-product attention; causal when `mask` is None (keys and queries aligned), or
+    `LowerRightCausal` (queries are the keys' last positions). Keys and values may have fewer
+    heads than queries (grouped-query attention)."""
     gqa = k.shape[1] != q.shape[1]
+    if isinstance(mask, LowerRightCausal):
+        # zero queries in front make the queries and keys aligned; their rows are dropped (no gradient)
+        pad = q.new_zeros(q.shape[0], q.shape[1], mask.offset, q.shape[3])
+        out = F.scaled_dot_product_attention(torch.cat([pad, q], dim=2), k, v, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out[:, :, mask.offset:]
     if mask is not None and q.shape[2] == 1 and not torch.is_grad_enabled():
         return _decode_attend(q, k, v, mask, scale)
     if mask is None:

@@ -68,11 +68,10 @@ class PrefixKV:
     def positions(self, rows: torch.Tensor, t: int) -> torch.Tensor:
         return (self.length + torch.arange(t))[None]
 
-    def mask(self, rows: torch.Tensor, t: int) -> torch.Tensor | None:
-        if self.length == 0:
-            return None
-        q = self.length + torch.arange(t)
-        return (torch.arange(self.length + t)[None, :] <= q[:, None])[None, None]
+    def mask(self, rows: torch.Tensor, t: int):
+        from opencomposer.model.cache import LowerRightCausal
+
+        return LowerRightCausal(self.length) if self.length else None  # causal kernel, no (t, S) matrix
 
     def write(self, layer: int, rows: torch.Tensor, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._leaves is None:  # recording the prefix
