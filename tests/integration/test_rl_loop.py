@@ -163,6 +163,7 @@ def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monk
     """One run, four faults: a rollout worker that dies, a task whose verifier hangs, a policy
     that emits a malformed tool call, a weight delta corrupted in the store. Each is in the event
     log; nothing is trained twice; the run ends with every step trained."""
+    import re
     import shutil
 
     from opencomposer.inference.weight_store import WeightStore, _name
@@ -174,10 +175,11 @@ def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monk
     shutil.copytree(good, tasks / good.name, symlinks=True)
     hang = tasks / f"hang-{good.name}"
     shutil.copytree(good, hang, symlinks=True)
-    toml = (hang / "task.toml").read_text().replace(f'id = "{good.name}"', f'id = "hang-{good.name}"')
-    toml = toml.split("[verifier]")[0] + "[verifier]\ncommand = \"sleep 600\"\ntimeout_s = 3\n" + \
-        "[verifier]".join(toml.split("[verifier]")[1:]).split("timeout_s", 1)[1].split("\n", 1)[1]
-    (hang / "task.toml").write_text(toml)
+    head, verifier = (hang / "task.toml").read_text().split("[verifier]")
+    verifier = re.sub(r'command = ".*"', 'command = "sleep 600"', verifier, count=1)
+    verifier = re.sub(r"timeout_s = [0-9.]+", "timeout_s = 3", verifier, count=1)
+    (hang / "task.toml").write_text(head.replace(f'id = "{good.name}"', f'id = "hang-{good.name}"')
+                                    + "[verifier]" + verifier)
 
     real_rollout, real_publish = loop.run_rollout, WeightStore.publish
     died = []

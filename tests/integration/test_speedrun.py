@@ -6,6 +6,7 @@ by a second invocation, ends with the same numbers as the uninterrupted one."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -110,7 +111,7 @@ def test_report_card_in_a_browser(smoke):
     numbers = re.findall(r'data-src="([^"]+)" data-value="([^"]+)"', dom)
     assert len(numbers) > 30
     for src, value in numbers:
-        assert json.loads(value.replace("&quot;", '"')) == lookup(smoke, src.replace("&amp;", "&")), src
+        assert json.loads(html.unescape(value)) == lookup(smoke, html.unescape(src)), src
     srcs = {s for s, _ in numbers}
     for stage in ("agent_base", "agent_sft", "agent_rl"):
         assert f"{stage}/summary.json#accuracy" in srcs and f"{stage}/summary.json#best_of_k" in srcs

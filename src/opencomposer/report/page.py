@@ -16,6 +16,7 @@ from pathlib import Path
 from opencomposer.core.metrics import read_jsonl
 from opencomposer.core.plot import COLOURS, chart
 from opencomposer.core.rundir import RunDir
+from opencomposer.report import AGENT_STAGES, CHECK_SECTIONS, stage_status
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -34,9 +35,6 @@ CHECK_SCRIPT = """
  document.body.dataset.chartsDrawn=String(n);})();
 """
 
-AGENT_STAGES = {"agent_base": "base", "agent_sft": "after CPT + SFT", "agent_rl": "after RL"}
-
-
 def num(src: str, key: str, value, fmt: str = "{:.3g}") -> str:
     """A number with where it came from (for checking the page against the run folder)."""
     if value is None:
@@ -54,7 +52,7 @@ def bars(rows: list[tuple[str, float, list[float] | None]], ylabel: str, width: 
          unit: str = "%") -> str:
     """Vertical bars with optional [lo, hi] whiskers (the 95% interval), values in [0, 1] for %."""
     pad, n = 48, max(1, len(rows))
-    top = max([1.0] if unit == "%" else [max((r[1] for r in rows), default=1.0) or 1.0])
+    top = 1.0 if unit == "%" else (max((r[1] for r in rows), default=0.0) or 1.0)
     bw = (width - 2 * pad) / n
     body = []
     for i, (label, v, ci) in enumerate(rows):
@@ -184,8 +182,6 @@ def training(run: dict, root: Path) -> str:
 
 
 def stages(run: dict) -> str:
-    from opencomposer.report import stage_status
-
     status = stage_status(run["events"])
     rows = ["<table><tr><th>stage</th><th>status</th><th>seconds</th></tr>"]
     timed = []
@@ -289,12 +285,10 @@ def _inline(text: str) -> str:
 
 
 def render(run_dir: RunDir, run: dict) -> str:
-    from opencomposer import report
-
     root = run_dir.root
     preset = run["config"].get("preset", "?")
     checks = []
-    for name, section in report.CHECK_SECTIONS.items():
+    for name, section in CHECK_SECTIONS.items():
         if name in run:
             checks.append(markdown(section(run[name])))
     env = run.get("environment", {})

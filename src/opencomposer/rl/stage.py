@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from opencomposer.core.metrics import MetricsWriter
+from opencomposer.core.metrics import MetricsWriter, read_jsonl
 from opencomposer.core.rundir import RunDir
 
 
@@ -28,6 +28,15 @@ class RLStageConfig:
     normalizer: float = 4096.0
     effort: float = 0.1
     """Weight of the concave effort penalty (report §4.2)."""
+
+
+def staleness(steps: list[dict]) -> dict[str, int]:
+    """Trained tokens by versions behind the trainer, summed over a run's `metrics.jsonl` records."""
+    out: dict[str, int] = {}
+    for rec in steps:
+        for k, v in rec.get("staleness", {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
@@ -58,19 +67,13 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
     out = run_dir.stage("rl")
     summary = run_loop(rcfg, out, progress=progress)
     steps = summary.pop("steps")
-    from opencomposer.core.metrics import read_jsonl
-
     curve = list(read_jsonl(out / "metrics.jsonl"))  # every step of the run, resumed ones included
-    stale: dict[str, int] = {}
-    for rec in curve:
-        for k, v in rec.get("staleness", {}).items():
-            stale[k] = stale.get(k, 0) + v
     result = {**summary, "model": str(out / "model"), "train_tasks": n, "epochs": epochs, "steps_this_call": len(steps),
               "curve": [{k: rec[k] for k in ("step", "version", "reward", "pass_rate", "kl_per_token", "loss",
                                               "tokens_per_rollout", "turns_per_rollout", "zero_advantage_groups",
                                               "broken_calls", "edit_rate", "train_seconds", "publish_seconds",
                                               "delta_bytes", "full_bytes")} for rec in curve],
-              "staleness": stale}
+              "staleness": staleness(curve)}
     run_dir.write_json("rl/summary.json", result)
     metrics.log(stage="rl", steps=len(curve), reward_first=curve[0]["reward"] if curve else None,
                 reward_last=curve[-1]["reward"] if curve else None)

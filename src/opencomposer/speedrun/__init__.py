@@ -240,8 +240,7 @@ def run_stage(name: str, cfg: SpeedrunConfig, run_dir: RunDir, metrics: MetricsW
                             total=cfg.kernels.steps * len(cfg.kernels.backends))
         precision.run(cfg.kernels, run_dir, metrics, progress=lambda: bar.advance(task))
     elif name in ("agent_base", "agent_sft", "agent_rl"):
-        model = {"agent_base": base_model(cfg, run_dir) if name == "agent_base" else None,
-                 "agent_sft": root / "sft" / "model", "agent_rl": root / "rl" / "model"}[name]
+        model = base_model(cfg, run_dir) if name == "agent_base" else root / name.removeprefix("agent_") / "model"
         if not (tasks / "manifest.json").exists():
             raise FileNotFoundError(f"{name}: no task family at {tasks} (did the evals stage fail?)")
         task = bar.add_task(f"{name}: the served model through the harness, held out", total=None)

@@ -9,7 +9,8 @@ exactly (the smoke preset relies on it)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import json
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,16 +81,12 @@ def run_agent_eval(name: str, cfg: AgentEvalConfig, agent: AgentSettings, run_di
 
 def episode_stats(out: Path) -> dict:
     """Per-task and mean tokens, turns, cost and the tool-use mix, from the eval's own files."""
-    from collections import defaultdict
-
     latest = {(r["task"], r["pass"]): r for r in read_jsonl(out / "results.jsonl")}
     records = [r for r in latest.values() if r["status"] != "infra_error"]
     mix: Counter = Counter()
     for r in records:
         path = out / "trajectories" / f"{r['task']}.{r['pass']}.json"
         if path.exists():
-            import json
-
             mix.update(c["name"] for c in json.loads(path.read_text()).get("tool_calls", []))
     per_task: dict[str, list[dict]] = defaultdict(list)
     for r in records:
