@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opencomposer.inference.prefix_cache import Match, PrefixCache
-from opencomposer.inference.sampling import SamplingParams, sample
+from opencomposer.inference.sampling import SamplingParams, sample, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -449,10 +449,11 @@ class Engine:
         else:
             ids = torch.tensor([[s.tokens[-1]] for s in live])
             out = self.model.run(ids, cache=self.cache, rows=rows, logits="last")
+            drawn = sample_rows(out.logits[:, -1], [s.params for s in live], [s.gen for s in live])
             for i, s in enumerate(live):
                 if out.routed_experts is not None:
                     s.experts.append(out.routed_experts[i, 0].tolist())
-                self._emit(s, out.logits[i, -1])
+                self._append(s, *drawn[i])
                 if self.spec:
                     s.pending.append((out.hidden[i, -1], s.tokens[-1]))
         self.stats["decode_steps"] += 1

@@ -112,7 +112,43 @@ class KVCache:
         t = new[0].shape[2]
         starts = self.lengths[rows]
         end = int(starts.max()) + t
-        self._grow(end, new, layer)
+        store = self._put_rows(layer, rows, starts, new)
+        contiguous = rows.numel() > 0 and bool((rows == torch.arange(int(rows[0]), int(rows[0]) + rows.numel())).all())
+        if contiguous:
+            a = int(rows[0])
+            return tuple(st[a:a + rows.numel(), :, :end] for st in store)
+        return tuple(st[rows, :, :end] for st in store)
+
+    def decode_attend(self, layer: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+        """Decoding (one new token per row): store (k, v) (each (R, H, 1, D)) and attend each row's
+        query (R, Hq, 1, D) over its own slot's keys. Rows in consecutive slots are read as one view
+        of the storage, each run only up to its own longest row. `write` gathers the rows' tensors
+        when their slots are not consecutive, which is the common case while serving agent
+        episodes (turns end at different times, and a prefilling request holds slots in between):
+        at a 2k-token context that copy was several times the attention itself."""
+        starts = self.lengths[rows]
+        store = self._put_rows(layer, rows, starts, (k, v))
+        slots, lens = rows.tolist(), (starts + 1).tolist()
+        out, i = [], 0
+        while i < len(slots):
+            j = i + 1
+            while j < len(slots) and slots[j] == slots[j - 1] + 1:
+                j += 1
+            end, a = max(lens[i:j]), slots[i]
+            mask = None
+            if min(lens[i:j]) != end:
+                mask = torch.arange(end)[None] < torch.tensor(lens[i:j])[:, None]
+            out.append(_decode_attend(q[i:j], store[0][a:a + j - i, :, :end], store[1][a:a + j - i, :, :end],
+                                      mask, scale))
+            i = j
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _put_rows(self, layer: int, rows: torch.Tensor, starts: torch.Tensor, new: tuple[torch.Tensor, ...],
+                  ) -> tuple[torch.Tensor, ...]:
+        """Write `new` (each (R, H, t, D)) at each row's offset; return the layer's storage."""
+        t = new[0].shape[2]
+        self._grow(int(starts.max()) + t, new, layer)
         store = self._store[layer]
         uniform = bool((starts == starts[0]).all())
         for st, x in zip(store, new):
@@ -125,11 +161,7 @@ class KVCache:
             else:
                 for i, (r, s0) in enumerate(zip(rows.tolist(), starts.tolist())):
                     st[r, :, s0:s0 + t] = x[i]
-        contiguous = rows.numel() > 0 and bool((rows == torch.arange(int(rows[0]), int(rows[0]) + rows.numel())).all())
-        if contiguous:
-            a = int(rows[0])
-            return tuple(st[a:a + rows.numel(), :, :end] for st in store)
-        return tuple(st[rows, :, :end] for st in store)
+        return store
 
 
 class LowerRightCausal:
@@ -171,7 +203,8 @@ def _decode_attend(q, k, v, mask, scale):
     hk, s = k.shape[1], k.shape[2]
     g = hq // hk
     scores = (q.reshape(b, hk, g, d) @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
-    scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, s), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, s), float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).reshape(b, hq, 1, v.shape[-1])
 
 

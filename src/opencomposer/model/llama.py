@@ -76,9 +76,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(self.layer, rows, k, v)
-        out = attend(q, k, v, mask)
+        if cache is not None and t == 1 and not torch.is_grad_enabled():
+            out = cache.decode_attend(self.layer, rows, q, k, v)
+        else:
+            if cache is not None:
+                k, v = cache.write(self.layer, rows, k, v)
+            out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

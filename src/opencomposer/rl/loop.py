@@ -34,11 +34,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opencomposer.core import memory
 from opencomposer.core.errors import UserError
 from opencomposer.core.rundir import write_atomic
 from opencomposer.evals.runner import episode_seed
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.harness.tools import ALL_TOOLS, ToolConfig
+from opencomposer.rl.curriculum import CurriculumConfig, Hardness, Planner
 from opencomposer.rl.events import EventLog, read_events
 from opencomposer.rl.objective import ObjectiveConfig
 from opencomposer.rl.rewards import RewardConfig
@@ -87,6 +89,8 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     objective: ObjectiveConfig = field(default_factory=lambda: ObjectiveConfig(group_size=4))
     rewards: RewardConfig = field(default_factory=RewardConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Later groups drawn by the hardness of earlier rollouts (`rl/curriculum.py`); off by default."""
     full_every: int = 10
     weight_store: str | None = None
     """Where weights are published (default: <out>/weights); any fsspec URL."""
@@ -214,7 +218,14 @@ class Run:
             gid = int(f.stem[1:])
             if gid not in self.trained:
                 self.ready[gid] = [Sample.from_dict(d) for d in json.loads(f.read_text())["samples"]]
-        self.failed_groups = {e["group"] for e in read_events(self.out / "events.jsonl") if e["kind"] == "group_failed"}
+        past = read_events(self.out / "events.jsonl")
+        self.failed_groups = {e["group"] for e in past if e["kind"] == "group_failed"}
+        hardness = Hardness(cfg.max_turns, cfg.turn_tokens)
+        for f in sorted((self.out / "groups").glob("g*.json")) if (self.out / "groups").exists() else []:
+            hardness.add(Sample.from_dict(d) for d in json.loads(f.read_text())["samples"])
+        self.planner = Planner(self.plan, [t.id for t in self.tasks], cfg.curriculum, hardness, cfg.seed)
+        self.planner.replay(past)  # the curriculum's earlier picks: every group keeps its task
+        self.planner.decided |= self.trained
         self.metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
     # -- the reconciler ---------------------------------------------------------------------------
@@ -225,6 +236,9 @@ class Run:
                 break
             if g in self.trained or g in self.failed_groups or g in taken:
                 continue
+            swap = self.planner.choose(g, taken | set(out) | self.failed_groups)
+            if swap is not None:
+                self.events.record("planned", **swap)
             out.append(g)
         return out
 
@@ -323,7 +337,7 @@ class Run:
         return summary
 
     def _submit(self, executor, futures, g, i, policy, pool, stop, inflight) -> None:
-        task = self.tasks[self.plan[g] % len(self.tasks)]
+        task = self.tasks[self.planner.task(g)]
         sid = f"g{g}.{i}"
         inflight[g]["attempts"][i] += 1
         sample = Sample(id=sid, group=g, index=i + 100 * (inflight[g]["attempts"][i] - 1), task=task.id)
@@ -368,6 +382,7 @@ class Run:
                                    broken_calls=x.breakdown.get("broken_calls", 0),
                                    min_version=x.min_version)
             self.ready[g] = samples
+            self.planner.hardness.add(samples)
 
     def _repair(self, store, replica: Replica) -> None:
         """A replica refused a version: publish the trainer's weights whole, as the next version
@@ -445,6 +460,7 @@ class Run:
         t0 = time.perf_counter()
         before = self.version
         st = self.trainer.step([s for _, s in groups])
+        memory.trim()  # the step's activations, freed, back to the OS (core/memory.py)
         self.version += 1
         for g, _ in groups:
             self.trained.add(g)
@@ -474,7 +490,7 @@ class Run:
                "staleness": {str(k): staleness.count(k) for k in sorted(set(staleness))},
                "train_seconds": round(t1 - t0, 3), "publish_seconds": m["seconds"], "delta_bytes": m["bytes"],
                "full_bytes": m["raw_bytes"], "replica_version": replica.version,
-               "grad_norm": st.get("grad_norm", 0.0), "loss": st["loss"], "time": time.time()}
+               "grad_norm": st.get("grad_norm", 0.0), "loss": st["loss"], **memory.usage(), "time": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.events.record("step", **{k: v for k, v in rec.items() if k not in ("tool_calls", "staleness")})

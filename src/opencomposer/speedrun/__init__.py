@@ -18,12 +18,14 @@ over. `--fresh` starts a new run folder.
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opencomposer.core import memory
 from opencomposer.core.config import dump_json
 from opencomposer.core.errors import UserError
 from opencomposer.core.metrics import EventLog, MetricsWriter, read_jsonl
@@ -207,7 +209,9 @@ def run(cfg: SpeedrunConfig) -> RunDir:
                 log.error("stage %s failed: %s: %s", name, type(e).__name__, e)
                 failed.append(name)
                 continue
-            events.emit("stage_end", stage=name, seconds=time.monotonic() - t0)
+            gc.collect()
+            memory.trim()  # what the stage freed goes back to the OS before the next one (core/memory.py)
+            events.emit("stage_end", stage=name, seconds=time.monotonic() - t0, **memory.usage())
         events.emit("speedrun_end", failed=failed)
     path = report.write(run_dir)
     log.info("report card: %s (and %s)", path, path.with_suffix(".html"))
