@@ -28,6 +28,14 @@ def test_merge_where_the_next_prompt_extends_and_nowhere_else():
     # Different sampling parameters cannot share one sequence (the logprobs were taken differently).
     seqs, st = build_sequences({"segments": [{"completions": [a, {**b, "sampling": {"temperature": 0.5}}]}]})
     assert len(seqs) == 2 and st.merges == 0
+    # A seeded policy's per-request seed and a turn's token cap do not change the distribution: merged.
+    sa, sb = ({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": m, "seed": 27 + i} for i, m in ((0, 128),
+                                                                                                        (1, 64)))
+    seqs, st = build_sequences({"segments": [{"completions": [{**a, "sampling": sa}, {**b, "sampling": sb}]}]})
+    assert len(seqs) == 1 and st.merges == 1 and seqs[0].sampling == sa
+    seqs, st = build_sequences({"segments": [{"completions": [{**a, "sampling": sa},
+                                                              {**b, "sampling": {**sb, "top_p": 0.9}}]}]})
+    assert len(seqs) == 2  # truncation changes what was sampled from: not merged
 
 
 def test_moe_prefix_routed_differently_is_not_merged():

@@ -107,6 +107,18 @@ def _extend(seq: RLSequence, comp: Any, index: int) -> None:
     seq.completions.append(index)
 
 
+_NOT_DISTRIBUTION = ("seed", "max_tokens", "stop", "stop_token_ids", "top_logprobs")
+
+
+def _distribution(sampling: dict | None) -> dict:
+    """The sampling parameters that shape the distribution tokens were drawn from. A seeded
+    policy sends seed + i with request i, and a turn's token cap says nothing about its logprobs:
+    comparing those too kept every turn of a seeded rollout in a sequence of its own (the default
+    speedrun's RL merged 0-75% of its turns and trained a 5-turn rollout as five forwards of its
+    whole context)."""
+    return {k: v for k, v in (sampling or {}).items() if k not in _NOT_DISTRIBUTION}
+
+
 def _mergeable(seq: RLSequence, comp: Any) -> bool:
     """The next prompt extends the sequence token for token, under the same sampling parameters,
     and (MoE) the sampler routed the shared prefix the same way both times — else one router
@@ -114,7 +126,7 @@ def _mergeable(seq: RLSequence, comp: Any) -> bool:
     prompt = _get(comp, "prompt_token_ids")
     if len(prompt) < len(seq.ids) or list(prompt[: len(seq.ids)]) != seq.ids:
         return False
-    if (seq.sampling or {}) != (_get(comp, "sampling") or {}):
+    if _distribution(seq.sampling) != _distribution(_get(comp, "sampling")):
         return False
     experts = _get(comp, "routed_experts")
     if (seq.experts is None) != (experts is None):
