@@ -13,7 +13,7 @@ bit-exact, and an unchanged tensor (or the unchanged sign, exponent and high man
 slightly changed float) is mostly zeros, which zstd squeezes. A full frame is the raw bytes. The
 manifest names the base version, and gives the sha256 of the blob, of every reconstructed tensor
 and of the whole state. (Shuffling the bytes by significance first, blosc's filter, made SmolLM2's
-frames larger and compression slower here: measured in docs/benchmarks.md, rl-sync.)
+frames larger and compression slower here: docs/rl.md, "Weight sync".)
 
 A replica applies a version only after it has the whole blob, the blob's checksum matches, and
 every reconstructed tensor's checksum matches; a delta only onto exactly its base. Anything else —

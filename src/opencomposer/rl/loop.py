@@ -202,7 +202,6 @@ class Run:
         self.tasks = load_dataset(cfg.tasks, cfg.split)
         if not self.tasks:
             raise RLError(f"no tasks in {cfg.tasks} (split {cfg.split})")
-        self.plan = _plan(len(self.tasks), cfg)
         self.store_url = cfg.weight_store or str(self.out / "weights")
         self.progress = progress
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
@@ -223,7 +222,8 @@ class Run:
         hardness = Hardness(cfg.max_turns, cfg.turn_tokens)
         for f in sorted((self.out / "groups").glob("g*.json")) if (self.out / "groups").exists() else []:
             hardness.add(Sample.from_dict(d) for d in json.loads(f.read_text())["samples"])
-        self.planner = Planner(self.plan, [t.id for t in self.tasks], cfg.curriculum, hardness, cfg.seed)
+        self.planner = Planner(_plan(len(self.tasks), cfg), [t.id for t in self.tasks], cfg.curriculum, hardness,
+                               cfg.seed)
         self.planner.replay(past)  # the curriculum's earlier picks: every group keeps its task
         self.planner.decided |= self.trained
         self.metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
@@ -231,7 +231,7 @@ class Run:
     # -- the reconciler ---------------------------------------------------------------------------
     def _next_groups(self, count: int, taken: set[int]) -> list[int]:
         out = []
-        for g in range(len(self.plan)):
+        for g in range(len(self.planner.plan)):
             if len(out) == count:
                 break
             if g in self.trained or g in self.failed_groups or g in taken:
