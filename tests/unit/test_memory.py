@@ -34,4 +34,4 @@ def test_trim_returns_freed_heap_to_the_os():
     before, freed, after, peak = map(float, out.stdout.split())
     assert freed > before - 0.1  # freed, and still resident: glibc keeps it
     assert after < freed - 0.4  # trimmed: most of the 600 MB is back with the OS
-    assert peak >= before
+    assert peak >= before - 0.01  # the kernel updates the peak lazily: within rounding of the resident size
