@@ -74,3 +74,13 @@ def make_buggy_repo(root: Path) -> Path:
 @pytest.fixture
 def buggy_repo(tmp_path: Path) -> Path:
     return make_buggy_repo(tmp_path / "buggy")
+
+
+def foreground_sigint() -> None:
+    """`preexec_fn` for a child that a test will Ctrl-C: a shell starts background jobs with SIGINT
+    ignored, the child inherits that, and Python then installs no KeyboardInterrupt handler, so the
+    child would run on as if the key had never been pressed (seen when the suite ran under `&`).
+    A terminal's Ctrl-C reaches a foreground process, whose SIGINT is the default."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

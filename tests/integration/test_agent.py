@@ -17,7 +17,7 @@ from opencomposer.harness.openai_policy import OpenAIPolicy, resolve_model
 from opencomposer.harness.policy import PolicyError, ScriptedPolicy, Usage
 from opencomposer.harness.trajectory import Trajectory
 from opencomposer.sandbox.local import Workspace
-from tests.conftest import make_buggy_repo
+from tests.conftest import foreground_sigint, make_buggy_repo
 from tests.integration.fake_openai_server import FakeOpenAIServer
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_trajectory.json"
@@ -237,7 +237,8 @@ def test_ctrl_c_keeps_the_trajectory(buggy_repo, tmp_path):
         with FakeOpenAIServer(turns) as srv:
             p = subprocess.Popen([sys.executable, "-m", "opencomposer.cli", "agent", "fix add", "--repo",
                                   str(buggy_repo), "--model", srv.base_url, "--out", str(out)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=foreground_sigint)
             deadline = time.monotonic() + 120
             while len(srv.requests) < 2 and time.monotonic() < deadline and p.poll() is None:
                 time.sleep(0.05)

@@ -12,6 +12,7 @@ import pytest
 from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
 from opencomposer.tasks.builders.deletion import BuildConfig
 from opencomposer.tasks.default import DefaultBenchmarkConfig, build_default
+from tests.conftest import foreground_sigint
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_ctrl_c_keeps_finished_results_and_a_resume_skips_them(smoke, tmp_path):
            "--concurrency", "1", "--max-tokens", "64"]
     with FakeOpenAIServer([{"content": "no"}, {"content": "no"}] + [{"content": "slow", "delay_s": 20}] * n) as srv:
         p = subprocess.Popen([*cmd, "--model", srv.base_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "COLUMNS": "200"})
+                             text=True, env={**os.environ, "COLUMNS": "200"}, preexec_fn=foreground_sigint)
         deadline = time.monotonic() + 300
         while len(srv.requests) < 3 and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.05)

@@ -58,6 +58,13 @@ def test_pool_deadline_and_pressure(workspace):
     starved = SandboxPool(PoolConfig(min_available_memory_mb=10**9, max_load_per_cpu=None))
     with pytest.raises(AdmissionTimeout, match="available memory"):
         starved.open(workspace, deadline_s=0.2)
+    # With no sandbox of its own live, the pool cannot relieve pressure: it gives up well before
+    # the request's own deadline, and says why.
+    hopeless = SandboxPool(PoolConfig(min_free_disk_mb=10**12, max_load_per_cpu=None, pressure_deadline_s=0.5))
+    t = time.monotonic()
+    with pytest.raises(AdmissionTimeout, match="free disk .* no sandbox of this pool live"):
+        hopeless.open(workspace, deadline_s=600)
+    assert time.monotonic() - t < 30
     p = read_pressure(PoolConfig(), workspace.root)
     assert p.available_memory_mb > 0 and p.free_disk_mb > 0
 

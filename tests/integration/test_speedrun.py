@@ -138,7 +138,12 @@ def test_killed_mid_stage_and_resumed_ends_with_the_same_numbers(smoke, tmp_path
     not repeated: that would double the test's time); the speedrun continues it, is SIGKILLed once
     RL has trained its first step, and a second invocation finishes it."""
     run = tmp_path / "runs" / smoke.name
-    shutil.copytree(smoke, run, ignore=shutil.ignore_patterns("agent_sft", "rl", "agent_rl", "report.*"))
+
+    def link_weights(src, dst):  # finished stages' weights are only read again: links, not 1.5 GB of copies
+        return os.link(src, dst) if src.endswith(".safetensors") else shutil.copy2(src, dst)
+
+    shutil.copytree(smoke, run, ignore=shutil.ignore_patterns("agent_sft", "rl", "agent_rl", "report.*"),
+                    copy_function=link_weights)
     ev = events(run)
     cut = next(i for i, e in enumerate(ev) if e["event"] == "stage_start" and e["stage"] == "agent_sft")
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev[:cut]))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -46,6 +47,25 @@ def test_built_tasks_pass_every_gate(built):
         assert t.spec.verifier.fail_to_pass and t.spec.verifier.pass_to_pass
         assert t.spec.stats.files_changed == 1 and t.spec.stats.lines_changed > 0
         assert len(t.prompt) == t.spec.stats.prompt_chars < 400
+
+
+def test_rename_tasks_from_real_code_pass_every_gate(tmp_path):
+    """Renames of colorsys functions: the hidden tests call the new name, the repository has the
+    old one; the reference renames the definition and its `__all__` entry, and every gate holds
+    (the oracle passes, the untouched repository fails, nothing leaks)."""
+    from opencomposer.tasks.builders.rename import build_renames
+
+    paths = build_renames(stdlib_sources()["colorsys"], tmp_path, max_tasks=2)
+    assert len(paths) == 2
+    for p in paths:
+        assert failed(gates.validate(p)) == set(), p.name
+        t = Task.load(p)
+        assert t.spec.category == "refactor" and t.prompt.startswith("Rename `")
+        old, new = re.findall(r"`([^`]+)`", t.prompt)[0], re.findall(r"`([^`]+)`", t.prompt)[2]
+        assert f"def {old}(" in (p / "repo" / "colorsys.py").read_text()
+        hidden = (p / "hidden" / "test_colorsys.py").read_text()
+        assert f"colorsys.{new}(" in hidden and f"colorsys.{old}(" not in hidden
+        assert f"+def {new}(" in t.reference_patch and t.spec.verifier.fail_to_pass
 
 
 def git(repo, *args):

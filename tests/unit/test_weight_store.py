@@ -96,3 +96,24 @@ def test_corrupt_partial_and_out_of_order_versions_are_rejected(tmp_path):
     assert engine.version == 4 and len(puller.errors) == 3
     with pytest.raises(WeightStoreError, match="not newer"):
         store.publish(step(trainer), 5)
+
+
+@pytest.mark.parametrize("url", ["folder", "memory://oc-weights-prune"])
+def test_old_versions_are_pruned_behind_the_full_snapshots_and_a_late_replica_catches_up(tmp_path, url):
+    url = str(tmp_path / "store") if url == "folder" else url
+    trainer, served = model(), model()
+    store = WeightStore(WeightStoreConfig(url=url, full_every=3, retain_full=2))
+    engine = Engine(served, config=EngineConfig(slots=1, max_len=32))
+    puller = WeightPuller(WeightStore(WeightStoreConfig(url=url)), engine)
+    store.publish(step(trainer), 1)
+    assert puller.poll() == 1  # this replica then falls behind
+    for v in range(2, 10):
+        last = step(trainer)
+        store.publish(last, v)
+    # full snapshots at 1, 3, 6, 9: only the two newest and the deltas after 6 remain
+    assert store.versions() == [6, 7, 8, 9]
+    assert puller.poll() == 9 and state_digest(served.to_hf_state()) == state_digest(last)
+    keep_all = WeightStore(WeightStoreConfig(url=url + "-all", full_every=3, retain_full=None))
+    for v in range(1, 8):
+        keep_all.publish(step(trainer), v)
+    assert keep_all.versions() == list(range(1, 8))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import threading
 import time
 import urllib.request
@@ -89,6 +90,7 @@ def run(cfg: InferenceStageConfig, run_dir: RunDir, metrics: MetricsWriter) -> d
             swap = json.loads(resp.read())
         worker.join(300)
         versions = result["r"].choices[0].model_extra["opencomposer"]["policy_versions"]
+    shutil.rmtree(upd, ignore_errors=True)  # a copy of the model, written only to be swapped in (514 MB)
     completion_tokens = r.usage.completion_tokens
     summary = {"folder": str(folder), "prompt": PROMPT, "answer": r.choices[0].message.content,
                "ttft_ms": (ttft or 0) * 1e3, "samples": cfg.samples, "completion_tokens": completion_tokens,

@@ -46,6 +46,11 @@ class WeightStoreConfig:
     """A full snapshot every this many versions (and the first one); deltas in between."""
     level: int = 1
     """zstd compression level. Level 3 made SmolLM2's deltas 5% smaller at twice the time."""
+    retain_full: int | None = 2
+    """After a full snapshot is published, versions older than the `retain_full`-th newest full
+    snapshot are deleted: a replica behind them catches up from a newer full snapshot, so the store
+    holds at most about `retain_full` x `full_every` versions instead of one per training step
+    (a default 12-step run had left 3.4 GB here). None keeps every version."""
 
 
 def _fs(url: str):
@@ -220,7 +225,35 @@ class WeightStore:
             f.write(json.dumps(manifest).encode())
         self.fs.mv(f"{folder}/manifest.json.tmp", f"{folder}/manifest.json")
         self._last = (version, raw)
+        if full:
+            self.prune()
         return manifest
+
+    def prune(self) -> list[int]:
+        """Delete the versions (and torn uploads) older than the `retain_full`-th newest full
+        snapshot; returns the deleted version numbers. A manifest goes first, so a reader never
+        sees a version whose blob is already gone (one that is mid-read fails its checksum and the
+        replica moves on to the full snapshot)."""
+        keep = self.config.retain_full
+        if keep is None:
+            return []
+        fulls = [v for v in reversed(self.versions()) if self.manifest(v)["base"] is None][:keep]
+        if len(fulls) < keep:
+            return []
+        cutoff = fulls[-1]
+        try:
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+        gone = []
+        for base in names:
+            if base.startswith("v") and base[1:].isdigit() and int(base[1:]) < cutoff:
+                folder = f"{self.root}/{base}"
+                if self.fs.exists(f"{folder}/manifest.json"):
+                    self.fs.rm(f"{folder}/manifest.json")
+                self.fs.rm(folder, recursive=True)
+                gone.append(int(base[1:]))
+        return sorted(gone)
 
 
 class WeightPuller:

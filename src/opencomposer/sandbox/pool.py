@@ -43,6 +43,10 @@ class PoolConfig:
     min_free_disk_mb: int | None = 1024
     """Admit only while the state folder's filesystem has this much free."""
     default_deadline_s: float = 600.0
+    pressure_deadline_s: float = 60.0
+    """A request held by machine pressure alone while this pool has no live sandbox fails after
+    this long, whatever its deadline: nothing the pool will release can relieve it (a full disk
+    left 16 rollouts of a CI run each waiting out its 600 s deadline)."""
     poll_s: float = 0.05
 
 
@@ -101,15 +105,16 @@ class SandboxPool:
         self._records: list[SandboxRecord] = []
         self._closed = False
 
-    def _admissible(self, ticket: object, disk: Path) -> tuple[bool, str]:
+    def _admissible(self, ticket: object, disk: Path) -> tuple[bool, str, bool]:
+        """(admitted, why not, whether only machine pressure that this pool cannot relieve holds it)."""
         if self._queue and self._queue[0] is not ticket:
-            return False, "queued behind earlier requests"
+            return False, "queued behind earlier requests", False
         if len(self._live) >= self.config.max_concurrent:
-            return False, f"{len(self._live)} live sandboxes (max {self.config.max_concurrent})"
+            return False, f"{len(self._live)} live sandboxes (max {self.config.max_concurrent})", False
         p = read_pressure(self.config, disk)
         if p.reasons:
-            return False, "; ".join(p.reasons)
-        return True, ""
+            return False, "; ".join(p.reasons), not self._live
+        return True, "", False
 
     def open(self, workspace: Workspace, snapshot: Snapshot | None = None, *,
              deadline_s: float | None = None) -> LocalSandbox:
@@ -122,12 +127,18 @@ class SandboxPool:
             if self._closed:
                 raise SandboxError("pool is closed")
             self._queue.append(ticket)
+            stuck_since: float | None = None  # since when only unrelievable pressure has held it
             try:
                 while True:
-                    ok, why = self._admissible(ticket, workspace.root)
+                    ok, why, stuck = self._admissible(ticket, workspace.root)
                     if ok:
                         break
-                    left = end - time.monotonic()
+                    now = time.monotonic()
+                    stuck_since = (stuck_since or now) if stuck else None
+                    if stuck_since is not None and now - stuck_since >= self.config.pressure_deadline_s:
+                        raise AdmissionTimeout(f"no sandbox admitted: {why} for {now - stuck_since:.0f}s with no "
+                                               "sandbox of this pool live to release (PoolConfig sets the bounds)")
+                    left = end - now
                     if left <= 0:
                         raise AdmissionTimeout(f"no sandbox admitted within {deadline_s:.1f}s: {why}")
                     self._cond.wait(min(left, self.config.poll_s))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from opencomposer.tasks import gates
 from opencomposer.tasks.builders.deletion import BuildConfig, CodeSource, build_tasks
+from opencomposer.tasks.builders.rename import build_renames
 from opencomposer.tasks.format import Manifest, Task
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,9 @@ def fingerprint(cfg: DefaultBenchmarkConfig) -> str:
     are the code), the pinned sdists and the builder's own code."""
     from opencomposer.core.config import to_dict
     from opencomposer.tasks import environment, run_tests
-    from opencomposer.tasks.builders import deletion
+    from opencomposer.tasks.builders import deletion, rename
 
-    code = "".join(Path(m.__file__).read_text() for m in (deletion, run_tests, environment))
+    code = "".join(Path(m.__file__).read_text() for m in (deletion, rename, run_tests, environment))
     blob = json.dumps({"config": to_dict(dataclasses.replace(cfg, sdist_cache=None)), "python": platform.python_version(),
                        "stdlib": str(STDLIB), "pypi": PYPI_PACKAGES, "code": hashlib.sha256(code.encode()).hexdigest()},
                       sort_keys=True, default=str)
@@ -184,7 +185,11 @@ def _build(out: Path, names, sources, cfg: DefaultBenchmarkConfig, say) -> Manif
             src = sources[name]
             if src == "pypi":
                 src = pypi_source(name, cfg.sdist_cache or out.parent / ".sdists")
-            paths = build_tasks(src, out, cfg.build, progress=say)
+            paths = build_tasks(src, out, cfg.build, progress=say) if cfg.build.max_single or cfg.build.max_multi \
+                else []
+            if cfg.build.renames:
+                paths += build_renames(src, out, cfg.build.renames, seed=cfg.build.seed, progress=say,
+                                       min_pass_to_pass=cfg.build.min_pass_to_pass)
         except RuntimeError as e:
             manifest.extra["rejected"].append({"source": name, "reason": str(e)})
             say(f"skipped {name}: {e}")

@@ -102,6 +102,18 @@ def run_suite(ws: Workspace, hidden: Path, command: str, changes: dict[str, str]
         return suite_outcomes(sb, hidden, command, timeout_s)
 
 
+def passing_tests(ws: Workspace, hidden: Path, command: str, name: str) -> tuple[set[str], float]:
+    """The tests that pass on the clean code, and the time a candidate's run gets: a mutation can
+    loop forever, so a few times the clean suite's time."""
+    t0 = time.perf_counter()
+    baseline = run_suite(ws, hidden, command)
+    timeout = max(30.0, 5 * (time.perf_counter() - t0))
+    passing = {t for t, o in baseline.items() if o == "passed"}
+    if not passing:
+        raise RuntimeError(f"{name}: the test suite does not pass here ({len(baseline)} tests ran)")
+    return passing, timeout
+
+
 def imports_ok(ws: Workspace, module: str, changes: dict[str, str]) -> bool:
     with ws.sandbox() as sb:
         for rel, text in changes.items():
@@ -221,6 +233,8 @@ class BuildConfig:
     """Multi-file tasks per source at most (needs candidates in >= `multi_files` files)."""
     multi_files: int = 3
     mutations: bool = True
+    renames: int = 0
+    """Rename tasks per source at most (`builders/rename.py`; the default benchmark builds them)."""
     seed: int = 0
     min_pass_to_pass: int = 1
 
@@ -239,13 +253,7 @@ def build_tasks(source: CodeSource, out_dir: Path, cfg: BuildConfig = BuildConfi
         test_text = "\n".join(p.read_text(errors="replace") for p in hidden.rglob("*.py"))
         command = source.verifier_command()
         with Workspace(code, sandbox) as ws:
-            t0 = time.perf_counter()
-            baseline = run_suite(ws, hidden, command)
-            # A mutation can loop forever: candidates get a few times the clean suite's time.
-            timeout = max(30.0, 5 * (time.perf_counter() - t0))
-            passing = {t for t, o in baseline.items() if o == "passed"}
-            if not passing:
-                raise RuntimeError(f"{source.name}: the test suite does not pass here ({len(baseline)} tests ran)")
+            passing, timeout = passing_tests(ws, hidden, command, source.name)
             say(f"{source.name}: {len(passing)} passing tests")
             cands = deletion_candidates(code, test_text)
             if cfg.mutations:
@@ -344,9 +352,20 @@ def _write_task(source: CodeSource, out_dir: Path, code: Path, hidden: Path, gro
                 command: str, timeout_s: float, combo: Candidate | None = None) -> Path:
     c = combo or group[0]
     changes = {c.file: c.new_text, **{e.file: e.new_text for e in c.extra}}
-    key = hashlib.sha1("|".join(sorted(f"{g.kind}:{g.file}:{g.qualname}:{g.mutation}" for g in group)).encode())
+    key = "|".join(sorted(f"{g.kind}:{g.file}:{g.qualname}:{g.mutation}" for g in group))
+    category, prompt = _prompt(source, group, c)
+    return write_task(source, out_dir, key, code=code, changes=changes, hidden=hidden, solution=code,
+                      category=category, prompt=prompt, kind=c.kind, fail_to_pass=c.fail_to_pass,
+                      pass_to_pass=c.pass_to_pass, command=command, timeout_s=timeout_s)
+
+
+def write_task(source: CodeSource, out_dir: Path, key: str, *, code: Path, changes: dict[str, str], hidden: Path,
+               solution: Path, category: str, prompt: str, kind: str, fail_to_pass: tuple[str, ...],
+               pass_to_pass: tuple[str, ...], command: str, timeout_s: float) -> Path:
+    """A task folder: `repo/` is `code` with `changes` applied (one commit), `hidden/` the tests,
+    `reference.patch` the change from the repo to `solution`."""
     # Neutral: the id shows in mount paths inside the sandbox, so it names no builder or mutation.
-    tid = f"{source.name}-{key.hexdigest()[:10]}"
+    tid = f"{source.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     root = out_dir / tid
     if root.exists():
         shutil.rmtree(root)
@@ -356,15 +375,14 @@ def _write_task(source: CodeSource, out_dir: Path, code: Path, hidden: Path, gro
         (repo / rel).write_text(text)
     base = init_single_commit_repo(repo, f"{source.name} {source.version}".strip())
     shutil.copytree(hidden, root / "hidden")
-    patch = diff_dirs(repo, code)
+    patch = diff_dirs(repo, solution)
     (root / "reference.patch").write_text(patch)
-    category, prompt = _prompt(source, group, c)
     (root / "prompt.md").write_text(prompt + "\n")
     files, lines = patch_stats(patch)
     spec = TaskSpec(id=tid, category=category, source=f"{source.name}@{source.version}", base_revision=base,
-                    tags=(source.name, c.kind), verifier=VerifierSpec(command=command, fail_to_pass=c.fail_to_pass,
-                                                                      pass_to_pass=c.pass_to_pass,
-                                                                      timeout_s=round(2 * timeout_s)),
+                    tags=(source.name, kind), verifier=VerifierSpec(command=command, fail_to_pass=fail_to_pass,
+                                                                    pass_to_pass=pass_to_pass,
+                                                                    timeout_s=round(2 * timeout_s)),
                     stats=TaskStats(prompt_chars=len(prompt), files_changed=files, lines_changed=lines))
     Task.write_spec(root, spec)
     return root
