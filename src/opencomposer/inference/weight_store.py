@@ -232,8 +232,8 @@ class WeightStore:
     def prune(self) -> list[int]:
         """Delete the versions (and torn uploads) older than the `retain_full`-th newest full
         snapshot; returns the deleted version numbers. A manifest goes first, so a reader never
-        sees a version whose blob is already gone (one that is mid-read fails its checksum and the
-        replica moves on to the full snapshot)."""
+        sees a version whose blob is already gone; one caught mid-read gets a `WeightStoreError`
+        and catches up from the full snapshot on its next poll."""
         keep = self.config.retain_full
         if keep is None:
             return []

@@ -104,6 +104,8 @@ class SandboxPool:
         self._queue: deque[object] = deque()
         self._records: list[SandboxRecord] = []
         self._closed = False
+        self._stuck: tuple[float, str] | None = None
+        """(since when, why): machine pressure alone has held the queue's head with nothing live."""
 
     def _admissible(self, ticket: object, disk: Path) -> tuple[bool, str, bool]:
         """(admitted, why not, whether only machine pressure that this pool cannot relieve holds it)."""
@@ -127,17 +129,19 @@ class SandboxPool:
             if self._closed:
                 raise SandboxError("pool is closed")
             self._queue.append(ticket)
-            stuck_since: float | None = None  # since when only unrelievable pressure has held it
             try:
                 while True:
                     ok, why, stuck = self._admissible(ticket, workspace.root)
+                    now = time.monotonic()
+                    if self._queue[0] is ticket:  # the head measures pressure for everyone queued
+                        self._stuck = (self._stuck or (now, why)) if stuck else None
                     if ok:
                         break
-                    now = time.monotonic()
-                    stuck_since = (stuck_since or now) if stuck else None
-                    if stuck_since is not None and now - stuck_since >= self.config.pressure_deadline_s:
-                        raise AdmissionTimeout(f"no sandbox admitted: {why} for {now - stuck_since:.0f}s with no "
-                                               "sandbox of this pool live to release (PoolConfig sets the bounds)")
+                    if self._stuck is not None and now - self._stuck[0] >= self.config.pressure_deadline_s:
+                        # every queued request gives up together, not one deadline after another
+                        raise AdmissionTimeout(f"no sandbox admitted: {self._stuck[1]} for {now - self._stuck[0]:.0f}s "
+                                               "with no sandbox of this pool live to release (PoolConfig sets the "
+                                               "bounds)")
                     left = end - now
                     if left <= 0:
                         raise AdmissionTimeout(f"no sandbox admitted within {deadline_s:.1f}s: {why}")
@@ -146,6 +150,8 @@ class SandboxPool:
                         raise SandboxError("pool is closed")
             finally:
                 self._queue.remove(ticket)
+                if not self._queue:
+                    self._stuck = None  # the next request measures afresh
                 self._cond.notify_all()
             sb = workspace.sandbox(snapshot)
             self._live[sb] = SandboxRecord(sb.id, str(workspace.source), queued_s=time.monotonic() - start)
