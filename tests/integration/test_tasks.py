@@ -66,6 +66,14 @@ def test_rename_tasks_from_real_code_pass_every_gate(tmp_path):
         hidden = (p / "hidden" / "test_colorsys.py").read_text()
         assert f"colorsys.{new}(" in hidden and f"colorsys.{old}(" not in hidden
         assert f"+def {new}(" in t.reference_patch and t.spec.verifier.fail_to_pass
+    # The demonstration edits the lines its search showed: no read turn, and it passes.
+    from opencomposer.evals.demonstration import demonstration_turns
+    from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+
+    turns = demonstration_turns(Task.load(paths[0]))
+    assert [c["name"] for t in turns for c in t.get("tool_calls", [])][:2] == ["grep", "search_replace"]
+    s = run_eval(EvalConfig(tasks=paths[0], passes=1), policy_factory("demonstration"), tmp_path / "demo")
+    assert s["accuracy"] == 1.0 and s["tool_error_rate"] == 0
 
 
 def git(repo, *args):

@@ -36,9 +36,43 @@ def _line_of(text: str, old: str) -> int:
     return text[:at].count("\n") + 1 if at >= 0 else 1
 
 
+def _trimmed(old: str, new: str) -> tuple[str, str]:
+    """A hunk without its unchanged context lines."""
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    while a and b and a[0] == b[0]:
+        a, b = a[1:], b[1:]
+    while a and b and a[-1] == b[-1]:
+        a, b = a[:-1], b[:-1]
+    return "".join(a), "".join(b)
+
+
+def shown_by_search(task: Task, name: str | None) -> list[dict] | None:
+    """The edits as `search_replace` calls of only the changed lines, when the search for `name`
+    already shows every one of them: each changed line has the name in it and is unique in its
+    file, and no file is added or deleted. Then there is nothing to read first (a rename is like
+    that). None otherwise."""
+    if not name:
+        return None
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    calls = []
+    for path, kind in changed_files(task.reference_patch):
+        src = task.repo / path
+        if kind != "modified" or not src.is_file():
+            return None
+        text = src.read_text(errors="replace")
+        for old, new in hunks_by_file(task.reference_patch).get(path, []):
+            old, new = _trimmed(old, new)
+            if not old or text.count(old) != 1 or not all(word.search(ln) for ln in old.splitlines()):
+                return None
+            calls.append({"name": "search_replace", "arguments": {"file_path": path, "old_string": old,
+                                                                  "new_string": new}})
+    return calls or None
+
+
 def demonstration_turns(task: Task) -> list[dict]:
-    """The turns (ScriptedPolicy's dict form) that solve `task`: at least five when the change
-    edits existing files (search, read, edit, check, final message)."""
+    """The turns (ScriptedPolicy's dict form) that solve `task`: search, read around each change,
+    edit, check, final message (five when the change edits existing files); four, without the
+    read, when the search already shows every changed line (`shown_by_search`)."""
     from opencomposer.evals.runner import oracle_calls
 
     patch = task.reference_patch
@@ -46,6 +80,7 @@ def demonstration_turns(task: Task) -> list[dict]:
     hunks = hunks_by_file(patch)
     turns: list[dict] = []
     name = _identifier(task.prompt)
+    direct = shown_by_search(task, name)
     if name:
         turns.append({"content": f"Let me find `{name}`.",
                       "tool_calls": [{"name": "grep", "arguments": {"pattern": rf"\b{re.escape(name)}\b"}}]})
@@ -53,7 +88,7 @@ def demonstration_turns(task: Task) -> list[dict]:
         turns.append({"content": "Let me look at the repository.", "tool_calls": [{"name": "list_dir",
                                                                                     "arguments": {}}]})
     reads = []
-    for path, kind in files:
+    for path, kind in files if direct is None else ():
         src = task.repo / path
         if kind == "added" or not src.is_file():
             continue
@@ -68,7 +103,7 @@ def demonstration_turns(task: Task) -> list[dict]:
     if reads:
         turns.append({"content": "Reading the code around it.", "tool_calls": reads})
     # the edits are the oracle's (search_replace per hunk, write_file or delete where it must)
-    turns.append({"content": "This is the fix.", "tool_calls": oracle_calls(task)})
+    turns.append({"content": "This is the fix.", "tool_calls": direct or oracle_calls(task)})
     py = [p for p, kind in files if p.endswith(".py") and kind != "deleted"]
     if py:
         check = "python -m py_compile " + " ".join(shlex.quote(p) for p in py) + " && echo ok"
