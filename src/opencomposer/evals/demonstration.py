@@ -83,7 +83,9 @@ def demonstration_turns(task: Task) -> list[dict]:
     direct = shown_by_search(task, name)
     if name:
         turns.append({"content": f"Let me find `{name}`.",
-                      "tool_calls": [{"name": "grep", "arguments": {"pattern": rf"\b{re.escape(name)}\b"}}]})
+                      # the plain name, not \bname\b: in JSON that is "\\bname\\b", which SmolLM2 after
+                      # SFT garbled into invalid regexes (measured on the rename family, docs/rl.md)
+                      "tool_calls": [{"name": "grep", "arguments": {"pattern": name}}]})
     else:
         turns.append({"content": "Let me look at the repository.", "tool_calls": [{"name": "list_dir",
                                                                                     "arguments": {}}]})
