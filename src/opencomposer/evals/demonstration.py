@@ -55,12 +55,13 @@ def shown_by_search(task: Task, name: str | None) -> list[dict] | None:
         return None
     word = re.compile(rf"\b{re.escape(name)}\b")
     calls = []
+    hunks = hunks_by_file(task.reference_patch)
     for path, kind in changed_files(task.reference_patch):
         src = task.repo / path
         if kind != "modified" or not src.is_file():
             return None
         text = src.read_text(errors="replace")
-        for old, new in hunks_by_file(task.reference_patch).get(path, []):
+        for old, new in hunks.get(path, []):
             old, new = _trimmed(old, new)
             if not old or text.count(old) != 1 or not all(word.search(ln) for ln in old.splitlines()):
                 return None

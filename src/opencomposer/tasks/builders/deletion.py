@@ -137,7 +137,7 @@ def deletion_candidates(code_dir: Path, test_text: str, min_lines: int = 4) -> l
         text = path.read_text()
         lines = text.splitlines(keepends=True)
         tree = ast.parse(text)
-        for node, owner in _defs(tree):
+        for node, owner in definitions(tree):
             name = node.name
             if name.startswith("_") or not re.search(rf"\b{re.escape(name)}\b", test_text):
                 continue
@@ -154,7 +154,8 @@ def deletion_candidates(code_dir: Path, test_text: str, min_lines: int = 4) -> l
     return out
 
 
-def _defs(tree: ast.Module):
+def definitions(tree: ast.Module):
+    """(node, owning class or None) for top-level functions and classes and their methods."""
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node, None
@@ -178,7 +179,7 @@ def mutation_candidates(code_dir: Path, test_text: str, rng: random.Random, per_
         rel = str(path.relative_to(code_dir))
         text = path.read_text()
         lines = text.splitlines(keepends=True)
-        for node, owner in _defs(ast.parse(text)):
+        for node, owner in definitions(ast.parse(text)):
             if isinstance(node, ast.ClassDef) or node.name.startswith("_"):
                 continue
             if not re.search(rf"\b{re.escape(node.name)}\b", test_text):

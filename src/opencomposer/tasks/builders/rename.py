@@ -31,7 +31,7 @@ from pathlib import Path
 from opencomposer.sandbox.base import SandboxConfig
 from opencomposer.sandbox.local import Workspace
 from opencomposer.tasks import environment
-from opencomposer.tasks.builders.deletion import CodeSource, _defs, passing_tests, run_suite, stage, write_task
+from opencomposer.tasks.builders.deletion import CodeSource, definitions, passing_tests, run_suite, stage, write_task
 from opencomposer.tasks.environment import EnvironmentSpec
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def rename_candidates(code: dict[str, str], tests: dict[str, str], rng: random.R
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        for node, owner in _defs(tree):
+        for node, owner in definitions(tree):
             qual = f"{owner.name}.{node.name}" if owner is not None else node.name
             defined.setdefault(node.name, []).append((rel, qual))
     test_names = set().union(*(_names(t) for t in tests.values())) if tests else set()
@@ -127,9 +127,8 @@ def build_renames(source: CodeSource, out_dir: Path, max_tasks: int = 4, seed: i
     with tempfile.TemporaryDirectory(prefix="oc-rename-") as tmp:
         code, hidden = stage(source, Path(tmp) / "staged")
         code_text = {str(p.relative_to(code)): p.read_text() for p in sorted(code.rglob("*.py"))}
-        test_files = {str(p.relative_to(hidden)): p for p in sorted(hidden.rglob("*.py"))
-                      if not str(p.relative_to(hidden)).startswith(".oc_verifier")}
-        test_text = {rel: p.read_text(errors="replace") for rel, p in test_files.items()}
+        test_text = {str(p.relative_to(hidden)): p.read_text(errors="replace") for p in sorted(hidden.rglob("*.py"))
+                     if not str(p.relative_to(hidden)).startswith(".oc_verifier")}
         command = source.verifier_command()
         with Workspace(code, sandbox) as ws:
             passing, timeout = passing_tests(ws, hidden, command, source.name)
