@@ -155,7 +155,9 @@ def part_pipeline(tmp: Path, steps: int) -> dict:
     out = {}
     try:
         for name, kw in (("async", {"max_inflight_groups": 2, "sync": False}), ("sync", {"sync": True})):
-            cfg = dataclasses.replace(config(family, lr=2e-4, steps=steps), workers=8, eval_every=0, **kw)
+            # threads: the Pareto delay is patched into this process's rollout function
+            cfg = dataclasses.replace(config(family, lr=2e-4, steps=steps), workers=8, eval_every=0,
+                                      services="threads", **kw)
             d = tmp / name
             summary = loop.Run(cfg, d).run()
             ev = read_events(d / "events.jsonl")

@@ -11,9 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeOpenAIServer:
-    def __init__(self, turns: list[dict], *, model: str = "fake-model"):
+    def __init__(self, turns: list[dict], *, model: str = "fake-model", max_model_len: int | None = None):
         self.turns = list(turns)
         self.model = model
+        self.max_model_len = max_model_len
+        """Listed in GET /models as vLLM and our server do, when set."""
         self.requests: list[dict] = []
         self._lock = threading.Lock()
         owner = self
@@ -32,8 +34,10 @@ class FakeOpenAIServer:
 
             def do_GET(self):
                 if self.path.rstrip("/").endswith("/models"):
-                    self._send(200, {"object": "list", "data": [{"id": owner.model, "object": "model",
-                                                                  "created": 0, "owned_by": "test"}]})
+                    entry = {"id": owner.model, "object": "model", "created": 0, "owned_by": "test"}
+                    if owner.max_model_len:
+                        entry["max_model_len"] = owner.max_model_len
+                    self._send(200, {"object": "list", "data": [entry]})
                 else:
                     self._send(404, {"error": {"message": "not found"}})
 

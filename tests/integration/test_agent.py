@@ -175,6 +175,32 @@ def test_openai_policy_against_an_http_server(buggy_repo):
     assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == second[-2]["tool_calls"][0]["id"]
 
 
+@pytest.mark.parametrize("served", [None, 2000])
+def test_observations_fit_the_served_context(buggy_repo, served):
+    """A read of a large file does not push the context past what the server serves: the agent
+    asks the server its context length and cuts a turn's outputs to the room left (keeping head
+    and tail); a server that says nothing keeps the configured budget (the control)."""
+    (buggy_repo / "big.py").write_text("".join(f"VALUE_{i} = {i}  # line {i}\n" for i in range(4000)))
+    turns = [{"tool_calls": [{"name": "read_file", "arguments": {"target_file": "big.py"}},
+                             {"name": "read_file", "arguments": {"target_file": "pkg/calc.py"}}]},
+             {"content": "done"}]
+    with FakeOpenAIServer(turns, max_model_len=served) as srv:
+        traj = run_agent(buggy_repo, OpenAIPolicy(base_url=srv.base_url, model="fake-model"))
+        second = srv.requests[1]["messages"]
+    big, calc = second[-2]["content"], second[-1]["content"]
+    assert traj.stop_reason == "done" and "return a - b" in calc  # the small output is kept whole
+    if served is None:
+        assert traj.extra["context_budget"] == ContextConfig().budget_tokens and len(big) > 25_000
+    else:
+        assert traj.extra["context_budget"] == served
+        assert "characters truncated" in big and "VALUE_0 " in big and "lines 1-2000 of 4000" in big  # head, tail
+        usage = traj.segments[0].completions[0]["usage"]
+        room = (served - ContextConfig().reserve_tokens - usage["prompt_tokens"] - usage["completion_tokens"]) \
+            * ContextConfig().chars_per_token
+        assert len(big) + len(calc) <= room + 100  # + the truncation marker
+        assert sum(len(m.get("content") or "") for m in second) / ContextConfig().chars_per_token < served
+
+
 def test_openai_policy_errors(buggy_repo):
     with FakeOpenAIServer([{"http_error": 500}] * 5) as srv:
         policy = OpenAIPolicy(base_url=srv.base_url, model="m", max_retries=0)

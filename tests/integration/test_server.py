@@ -346,3 +346,69 @@ def test_tool_calls_through_server_and_the_harness_policy(tokenizer):
         comp = OpenAIPolicy(base_url=srv.url, model="fake").complete(MSG, tools)
         assert comp.tool_calls[0].name == "read_file" and comp.token_ids[-1] == tokenizer.eos_id
         assert comp.policy_versions == [0] * len(comp.token_ids) and len(comp.logprobs) == len(comp.token_ids)
+
+
+def test_serve_follows_a_weight_store_as_its_own_process(tmp_path, tokenizer):
+    """`opencomposer serve --weights STORE` (an RL replica): a process that serves the store's
+    newest version, follows new ones in flight, and reports a corrupt one in /health and
+    /metrics while it keeps serving the last good weights."""
+    import os
+    import subprocess
+    import sys
+
+    from opencomposer.inference.weight_store import WeightStore, WeightStoreConfig, _name
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512))
+    store = WeightStore(WeightStoreConfig(url=str(tmp_path / "store"), full_every=10))
+
+    def publish(version):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        return store.publish(model.to_hf_state(), version)
+
+    publish(0)
+    folder = _folder(tmp_path / "m", model, tokenizer)  # the replica starts from version 0's weights
+    publish(1)
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "opencomposer.cli", "serve", "--model", str(folder), "--port", "0",
+                             "--weights", str(tmp_path / "store"), f"--ready_file={json.dumps(str(ready))}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        base = json.loads(ready.read_text())["url"].removesuffix("/v1")
+
+        def health():
+            with urllib.request.urlopen(base + "/health", timeout=10) as r:
+                return json.loads(r.read())
+
+        assert health()["policy_version"] == 1  # the store's newest before the first request
+        publish(2)
+        m = publish(3)
+        blob = tmp_path / "store" / _name(3) / "tensors.zst"  # v3 arrives corrupt
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        assert m["kind"] == "delta"
+        deadline = time.monotonic() + 60
+        while health().get("weights", {}).get("rejected", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        h = health()
+        assert h["policy_version"] == 2 and h["weights"]["rejected"] == 1  # v2 applied, v3 refused
+        assert "checksum" in h["weights"]["refusals"][0]["error"] or "corrupt" in h["weights"]["refusals"][0]["error"]
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            assert "opencomposer_weights_rejected_total 1" in r.read().decode()
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="m", messages=MSG, max_tokens=4, temperature=0.0)
+        assert r.choices[0].model_extra["opencomposer"]["policy_versions"] == [2] * len(
+            r.choices[0].model_extra["opencomposer"]["token_ids"])  # still serving the last good one
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-len", type=int, help="tokens per sequence (default: the model's context)")
     sv.add_argument("--speculative", action="store_true", help="MTP speculative decoding (models with MTP heads)")
     sv.add_argument("--admin-token", help="enables POST /admin/weights (or $OPENCOMPOSER_ADMIN_TOKEN)")
+    sv.add_argument("--weights", help="follow a weight store (folder or fsspec URL): new versions are pulled, "
+                                      "verified and swapped in flight (an RL inference replica)")
     sv.add_argument("-c", "--config", help="TOML with ServeConfig fields (max_waiting, request_timeout_s, ...)")
     sv.set_defaults(fn=cmd_serve)
 

@@ -63,7 +63,7 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     cfg = load_config(ServeConfig, ns.config, _overrides(ns, extra))
     flags = {"model": Path(ns.model) if ns.model else None, "name": ns.name, "host": ns.host, "port": ns.port,
              "slots": ns.slots, "max_len": ns.max_len, "speculative": ns.speculative or None,
-             "admin_token": ns.admin_token or os.environ.get("OPENCOMPOSER_ADMIN_TOKEN")}
+             "admin_token": ns.admin_token or os.environ.get("OPENCOMPOSER_ADMIN_TOKEN"), "weights": ns.weights}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
     try:
         server = make_server(cfg, _data_dir() / "models" / "smollm2-135m-instruct").start()

@@ -11,6 +11,8 @@ from the task folder alone: the prompt, `repo/` and `reference.patch`.
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
 import shlex
 
@@ -36,44 +38,82 @@ def _line_of(text: str, old: str) -> int:
     return text[:at].count("\n") + 1 if at >= 0 else 1
 
 
-def _trimmed(old: str, new: str) -> tuple[str, str]:
-    """A hunk without its unchanged context lines."""
-    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
-    while a and b and a[0] == b[0]:
-        a, b = a[1:], b[1:]
-    while a and b and a[-1] == b[-1]:
-        a, b = a[:-1], b[:-1]
-    return "".join(a), "".join(b)
-
-
-def shown_by_search(task: Task, name: str | None) -> list[dict] | None:
-    """The edits as `search_replace` calls of only the changed lines, when the search for `name`
-    already shows every one of them: each changed line has the name in it and is unique in its
-    file, and no file is added or deleted. Then there is nothing to read first (a rename is like
-    that). None otherwise."""
-    if not name:
-        return None
-    word = re.compile(rf"\b{re.escape(name)}\b")
-    calls = []
+def minimal_edits(task: Task) -> list[tuple[dict, bool]] | None:
+    """The reference change as the smallest `search_replace` calls: each run of changed lines of a
+    hunk on its own, its old text widened by the hunk's context lines (below first, then above) only
+    until it is unique in the file as the earlier edits left it. With each call, whether its old text
+    is only changed lines (a search for them shows all of it). None when a file is added or
+    deleted, or a run cannot be made unique inside its hunk (the oracle's whole hunks then)."""
     hunks = hunks_by_file(task.reference_patch)
+    out: list[tuple[dict, bool]] = []
     for path, kind in changed_files(task.reference_patch):
         src = task.repo / path
         if kind != "modified" or not src.is_file():
             return None
-        text = src.read_text(errors="replace")
+        try:
+            text = src.read_text()
+        except UnicodeDecodeError:
+            return None
         for old, new in hunks.get(path, []):
-            old, new = _trimmed(old, new)
-            if not old or text.count(old) != 1 or not all(word.search(ln) for ln in old.splitlines()):
-                return None
-            calls.append({"name": "search_replace", "arguments": {"file_path": path, "old_string": old,
-                                                                  "new_string": new}})
-    return calls or None
+            a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+            for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+                if op == "equal":
+                    continue
+                lo, hi, bare = i1, i2, True
+                while "".join(a[lo:hi]) == "" or text.count("".join(a[lo:hi])) != 1:
+                    if hi < len(a):
+                        hi += 1
+                    elif lo > 0:
+                        lo -= 1
+                    else:
+                        return None
+                    bare = False
+                before, after = "".join(a[lo:i1]), "".join(a[i2:hi])
+                o, n = "".join(a[lo:hi]), before + "".join(b[j1:j2]) + after
+                text = text.replace(o, n, 1)
+                out.append(({"name": "search_replace", "arguments": {"file_path": path, "old_string": o,
+                                                                     "new_string": n}}, bare))
+    return out or None
 
 
-def demonstration_turns(task: Task) -> list[dict]:
+def shown_by_search(task: Task, name: str | None) -> list[dict] | None:
+    """The edits (`minimal_edits`) when the search for `name` already shows every line they
+    replace: each is only changed lines, each with the name in it, and no file is added or
+    deleted. Then there is nothing to read first (a rename is like that). None otherwise."""
+    if not name:
+        return None
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    edits = minimal_edits(task)
+    if edits is None or not all(bare and all(word.search(ln) for ln in c["arguments"]["old_string"].splitlines())
+                                for c, bare in edits):
+        return None
+    return [c for c, _ in edits]
+
+
+def in_turns(calls: list[dict], max_chars: int | None) -> list[list[dict]]:
+    """`calls` in order, as turns whose arguments take at most `max_chars` of JSON each (a call
+    larger than that has a turn of its own): a policy capped at a turn's tokens can write each."""
+    if not max_chars:
+        return [calls] if calls else []
+    turns: list[list[dict]] = []
+    size = 0
+    for c in calls:
+        n = len(json.dumps(c["arguments"]))
+        if not turns or size + n > max_chars:
+            turns.append([])
+            size = 0
+        turns[-1].append(c)
+        size += n
+    return turns
+
+
+def demonstration_turns(task: Task, max_turn_chars: int | None = None) -> list[dict]:
     """The turns (ScriptedPolicy's dict form) that solve `task`: search, read around each change,
-    edit, check, final message (five when the change edits existing files); four, without the
-    read, when the search already shows every changed line (`shown_by_search`)."""
+    edit, check, final message; without the read when the search already shows every changed line
+    (`shown_by_search`). The edits are the smallest unique ones (`minimal_edits`; the oracle's
+    whole hunks, write_file or delete_file where those cannot say it), split into turns of at most
+    `max_turn_chars` of arguments each (`in_turns`) so that a policy capped at a turn's tokens could
+    write every turn it is shown."""
     from opencomposer.evals.runner import oracle_calls
 
     patch = task.reference_patch
@@ -105,8 +145,9 @@ def demonstration_turns(task: Task) -> list[dict]:
                                                              "limit": 2 * WINDOW + old.count("\n")}})
     if reads:
         turns.append({"content": "Reading the code around it.", "tool_calls": reads})
-    # the edits are the oracle's (search_replace per hunk, write_file or delete where it must)
-    turns.append({"content": "This is the fix.", "tool_calls": direct or oracle_calls(task)})
+    edits = direct or [c for c, _ in minimal_edits(task) or []] or oracle_calls(task)
+    for i, calls in enumerate(in_turns(edits, max_turn_chars)):
+        turns.append({"content": "This is the fix." if i == 0 else "Continuing the change.", "tool_calls": calls})
     py = [p for p, kind in files if p.endswith(".py") and kind != "deleted"]
     if py:
         check = "python -m py_compile " + " ".join(shlex.quote(p) for p in py) + " && echo ok"
@@ -117,5 +158,5 @@ def demonstration_turns(task: Task) -> list[dict]:
     return turns
 
 
-def demonstration_policy(task: Task, k: int = 0) -> ScriptedPolicy:
-    return ScriptedPolicy(demonstration_turns(task), name="demonstration")
+def demonstration_policy(task: Task, k: int = 0, max_turn_chars: int | None = None) -> ScriptedPolicy:
+    return ScriptedPolicy(demonstration_turns(task, max_turn_chars), name="demonstration")

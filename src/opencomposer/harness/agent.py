@@ -40,13 +40,19 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContextConfig:
     budget_tokens: int = 32_768
-    """The context the policy serves; the trigger fires before it is reached."""
+    """The context the policy serves; the trigger fires before it is reached. A policy that reports
+    its served context length (`context_length()`: our server's and vLLM's `max_model_len`) lowers
+    it to that."""
     trigger: float = 0.8
     """Fraction of the budget at which the context is reset."""
     mode: Literal["self", "prompted", "truncate"] = "self"
     max_resets: int = 16
     chars_per_token: float = 3.5
     """Estimate used when the server reports no token usage."""
+    reserve_tokens: int = 512
+    """Room kept free after a turn's tool outputs for the next request (the self-summary prompt and
+    the start of its answer): a turn's outputs are cut, head and tail kept, to fit the budget less
+    this, so no single observation can push the context past what the server accepts."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +85,7 @@ class Agent:
         self.stop = stop
         """Set by another thread (an eval being interrupted): the episode ends before its next call."""
         self.trajectory: Trajectory | None = None
+        self._budget = self.config.context.budget_tokens
 
     # ------------------------------------------------------------------------------------------
     def run(self, task: str, *, history: Sequence[str] = (), recent: Sequence[str] | None = None,
@@ -134,6 +141,8 @@ class Agent:
         schemas = self.toolset.schemas()
         traj.extra["tools"] = schemas  # what every call of every segment was rendered with (SFT reads it)
         self._schemas = schemas
+        budget = self._budget = context_budget(self.policy, cfg.context.budget_tokens)
+        traj.extra["context_budget"] = budget
         seg = Segment(0)
         st = self._state
         st.update(seg=seg, messages=messages, ctx=ctx)
@@ -144,7 +153,7 @@ class Agent:
             if stop:
                 traj.stop_reason = stop
                 break
-            if context_tokens > cfg.context.budget_tokens * cfg.context.trigger:
+            if context_tokens > budget * cfg.context.trigger:
                 if len(traj.summaries) >= cfg.context.max_resets:
                     traj.stop_reason = "context_resets_exhausted"
                     break
@@ -161,10 +170,10 @@ class Agent:
                 traj.final_message = comp.content
                 traj.stop_reason = "done"
                 break
-            new = self._run_tools(comp, ctx, traj, seg.index)
+            before = comp.usage.total if comp.usage.total else self._estimate(messages)
+            new = self._run_tools(comp, ctx, traj, seg.index, room_tokens=budget - cfg.context.reserve_tokens - before)
             messages += new
-            context_tokens = (comp.usage.total if comp.usage.total else self._estimate(messages[:-len(new)])) \
-                + self._estimate(new)
+            context_tokens = before + self._estimate(new)
 
     # ------------------------------------------------------------------------------------------
     def _limit(self, traj: Trajectory, t0: float) -> str | None:
@@ -204,7 +213,8 @@ class Agent:
             seg.completions.append(comp.to_dict())
         return comp
 
-    def _run_tools(self, comp: Completion, ctx: ToolContext, traj: Trajectory, segment: int) -> list[dict]:
+    def _run_tools(self, comp: Completion, ctx: ToolContext, traj: Trajectory, segment: int,
+                   room_tokens: int | None = None) -> list[dict]:
         calls = comp.tool_calls
         for tc in calls:
             self.on_event("tool_call", {"name": tc.name, "arguments": tc.arguments})
@@ -219,6 +229,8 @@ class Agent:
         else:
             results = [self.toolset.call(ctx, tc.name, tc.arguments) for tc in calls]
         traj.tool_seconds += time.perf_counter() - t
+        if room_tokens is not None:
+            results = fit_observations(results, int(max(0, room_tokens) * self.config.context.chars_per_token))
         out = []
         for tc, res in zip(calls, results):
             traj.tool_calls.append(ToolCallRecord(traj.turns, segment, tc.id, tc.name, tc.arguments, res.ok,
@@ -244,7 +256,7 @@ class Agent:
                                      + (f" {json.dumps(m['tool_calls'])}" if m.get("tool_calls") else "")
                                      for m in messages[1:])
             req = [{"role": "system", "content": prompt.PROMPTED_SUMMARIZER_SYSTEM},
-                   {"role": "user", "content": transcript[-self.config.context.budget_tokens * 3:]}]
+                   {"role": "user", "content": transcript[-self._budget * 3:]}]
             comp = self._call(req, [], traj, None, policy=self.summarizer or self.policy)
             summary = prompt.extract_summary(comp.content) if comp is not None else None
         seg.messages = messages
@@ -265,6 +277,42 @@ class Agent:
                                "tokens_after": self._estimate(new_messages), "summary": summary})
         self.on_event("summary", traj.summaries[-1])
         return new_messages, new_seg
+
+
+def context_budget(policy: Policy, configured: int) -> int:
+    """The context the agent plans for: `configured`, or less when the policy reports that its
+    server serves less (a request past it would be refused, and the episode lost)."""
+    ask = getattr(policy, "context_length", None)
+    try:
+        served = ask() if callable(ask) else None
+    except Exception as e:  # noqa: BLE001 - a server that cannot say keeps the configured budget
+        log.warning("could not read the served context length: %s", e)
+        served = None
+    return min(configured, int(served)) if served else configured
+
+
+MIN_OBSERVATION_CHARS = 200
+"""What a cut observation keeps at least (head and tail), however full the context."""
+
+
+def fit_observations(results: list, room_chars: int) -> list:
+    """A turn's tool results cut to `room_chars` in all: the ones under an equal share are kept
+    whole, and what they leave is shared among the rest, each keeping its head and tail."""
+    import dataclasses
+
+    from opencomposer.harness.tools.base import truncate
+
+    total = sum(len(r.content) for r in results)
+    if total <= room_chars:
+        return results
+    order = sorted(range(len(results)), key=lambda i: len(results[i].content))
+    left, limits = room_chars, {}
+    for k, i in enumerate(order):
+        share = left // (len(order) - k)
+        limits[i] = max(MIN_OBSERVATION_CHARS, min(len(results[i].content), share))
+        left -= min(len(results[i].content), share)
+    return [dataclasses.replace(r, content=truncate(r.content, limits[i])) if len(r.content) > limits[i] else r
+            for i, r in enumerate(results)]
 
 
 def ensure_git_baseline(sandbox) -> bool:

@@ -57,6 +57,7 @@ class OpenAIPolicy:
         self.name = self.config.model
         self._extension_server = False
         self._requests = 0
+        self._context_length: int | None | bool = False  # False: not asked yet
         self._client = openai.OpenAI(
             base_url=self.config.base_url,
             api_key=os.environ.get(self.config.api_key_env) or "EMPTY",
@@ -66,6 +67,22 @@ class OpenAIPolicy:
 
     def complete(self, messages: Sequence[dict], tools: Sequence[dict]) -> Completion:
         return self.complete_n(messages, tools, 1)[0]
+
+    def context_length(self) -> int | None:
+        """The served model's context length, from `GET /models` (`max_model_len`, as our server
+        and vLLM report it), asked once; None where the server does not say (hosted APIs)."""
+        if self._context_length is False:
+            import openai
+
+            self._context_length = None
+            try:
+                for m in self._client.with_options(timeout=min(30.0, self.config.timeout_s)).models.list().data:
+                    n = (m.model_extra or {}).get("max_model_len")
+                    if m.id == self.config.model and isinstance(n, int) and n > 0:
+                        self._context_length = n
+            except openai.APIError:
+                pass
+        return self._context_length
 
     def complete_n(self, messages: Sequence[dict], tools: Sequence[dict], n: int) -> list[Completion]:
         """`n` samples of one prompt in one request (every choice, each with its own ids)."""

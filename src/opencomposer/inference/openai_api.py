@@ -72,6 +72,13 @@ class ServeConfig:
     """A request body must arrive within this (slow-loris bodies get 408)."""
     max_body_bytes: int = 16 * 1024 * 1024
     retry_after_s: int = 1
+    weights: str | None = None
+    """A weight store to follow (a folder or fsspec URL, `inference/weight_store.py`): each new
+    version is pulled, verified and swapped in between decode steps; a refused one is reported in
+    /health and /metrics while the last good weights keep serving (an RL inference replica)."""
+    ready_file: Path | None = None
+    """Written (atomically, JSON with the base URL and pid) once the server listens: how a parent
+    process learns the port of `port = 0`."""
 
 
 def held_back(text: str, markers: tuple[str, ...]) -> int:
@@ -98,6 +105,8 @@ class Frontend:
         self.config = config or ServeConfig()
         self.started = time.time()
         self.counters = {"http_requests": 0, "http_errors": 0, "disconnects": 0, "rejected_busy": 0}
+        self.follower = None
+        """The `WeightFollower` of `config.weights`, set by the server that starts one."""
 
     # -- requests -------------------------------------------------------------------------------------
     def check_model(self, body: dict) -> None:
@@ -258,6 +267,9 @@ class Frontend:
         metric("spec_drafted_total", "counter", st["drafted"], "MTP draft tokens proposed")
         metric("spec_accepted_total", "counter", st["accepted"], "MTP draft tokens accepted")
         metric("policy_version", "gauge", self.engine.version, "the served weights' version")
+        if self.follower is not None:
+            metric("weights_rejected_total", "counter", self.follower.rejected,
+                   "weight versions refused (corrupt, partial or out of order)")
         metric("prefill_seconds_total", "counter", round(st["prefill_seconds"], 6), "time in prefill forwards")
         metric("prompt_tokens_cached_total", "counter", st["cached_prompt_tokens"],
                "prompt tokens served from the prefix cache instead of prefilled")
@@ -362,8 +374,12 @@ class Frontend:
 
     def health(self) -> dict:
         load = self.engine.load()
-        return {"status": "ok" if load["alive"] else "stopped", "model": self.name,
-                "policy_version": self.engine.version, "running": load["running"], "waiting": load["waiting"]}
+        out = {"status": "ok" if load["alive"] else "stopped", "model": self.name,
+               "policy_version": self.engine.version, "running": load["running"], "waiting": load["waiting"]}
+        if self.follower is not None:
+            out["weights"] = {"store": self.follower.url, "rejected": self.follower.rejected,
+                              "refusals": self.follower.refusals[-20:]}
+        return out
 
 
 class ChatStream:

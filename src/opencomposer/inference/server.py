@@ -288,7 +288,13 @@ class Server:
                              timeout_keep_alive=5, lifespan="off")
         self._uvicorn = uvicorn.Server(cfg)
         self._uvicorn.install_signal_handlers = lambda: None  # not the main thread; the CLI handles signals
+        if self.config.weights and self.frontend.follower is None:
+            from opencomposer.inference.weight_store import WeightFollower
+
+            self.frontend.follower = WeightFollower(self.config.weights, self.engine)
         self.engine.start()
+        if self.frontend.follower is not None:  # on the store's newest weights before the first request
+            self.frontend.follower.start()
         self._thread = threading.Thread(target=self._uvicorn.run, name="http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -298,6 +304,12 @@ class Server:
                 raise OSError(f"the HTTP server did not start on {self.config.host}:{self.config.port} "
                               "(is the port in use?)")
             time.sleep(0.01)
+        if self.config.ready_file is not None:
+            import os
+
+            from opencomposer.core.rundir import write_atomic
+
+            write_atomic(Path(self.config.ready_file), json.dumps({"url": self.url, "pid": os.getpid()}) + "\n")
         return self
 
     @property
@@ -315,6 +327,8 @@ class Server:
             self._thread.join(0.5)
 
     def stop(self) -> None:
+        if self.frontend.follower is not None:
+            self.frontend.follower.stop()
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._thread is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from dataclasses import dataclass
 
@@ -297,3 +298,50 @@ class WeightPuller:
                 raise
             self.engine.update_weights(tensors, target, wait=wait)
             self.applied += 1
+
+
+class WeightFollower:
+    """A replica following a store on its own: a background thread polls the store every
+    `interval_s` and applies new versions through a `WeightPuller`, between decode steps. A refusal
+    (corrupt, partial, out of order) is counted once per distinct error, not on every poll, while
+    the engine keeps serving its last good weights; `refusals` holds them in order. Used by the RL
+    loop's in-process replica and by `opencomposer serve --weights=URL` (a replica process)."""
+
+    def __init__(self, url: str, engine, *, interval_s: float = 0.2, wait_s: float = 60.0):
+        self.puller = WeightPuller(WeightStore(WeightStoreConfig(url=url)), engine)
+        self.url, self.interval_s, self.wait_s = url, interval_s, wait_s
+        self.refusals: list[dict] = []
+        """{"version": the engine's version when refused, "error": why}, one per distinct error."""
+        self._last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def rejected(self) -> int:
+        return len(self.refusals)
+
+    def poll(self) -> None:
+        try:
+            self.puller.poll(wait=self.wait_s)
+            self._last_error = None
+        except (WeightStoreError, TimeoutError) as e:
+            if str(e) != self._last_error:  # the same refusal on every poll until a full snapshot comes
+                self._last_error = str(e)
+                self.refusals.append({"version": self.puller.engine.version, "error": str(e)[:500]})
+
+    def start(self) -> WeightFollower:
+        self._stop.clear()
+        self.poll()
+        self._thread = threading.Thread(target=self._loop, name="weight-follower", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None

@@ -2,15 +2,16 @@
 workers, grading and grouping to the trainer, a trainer that publishes every step's weights to the
 weight store, and an inference replica that pulls them in flight while it keeps serving.
 
-Services and their boundaries:
-- the inference replica is our server (`inference/server.py`, the OpenAI HTTP API) plus a
-  `WeightPuller` on the weight store; rollout workers reach it only over HTTP, the trainer only
-  through the store;
-- rollout workers run `rl/rollout.py` (harness + sandbox + grading) in a bounded thread pool;
+Services and their boundaries (`rl/services.py`):
+- the inference replica is our server (`inference/server.py`, the OpenAI HTTP API) following the
+  weight store on its own; rollout workers reach it only over HTTP, the trainer only through the
+  store;
+- rollout workers run `rl/rollout.py` (harness + sandbox + grading), a function of (task, sample,
+  policy URL); the evaluator runs the held-out split against the replica's URL;
 - the trainer (`rl/trainer.py`) and the reconciler run in the driver.
-Here all of them live in one process (threads; the local backend). The boundaries are the ones a
-Ray backend takes over: a worker is a function of (task, sample, policy URL); the replica is a URL
-and a store URL; nothing else is shared.
+With `services = "processes"` (the default) the replica, every rollout worker and the evaluator are
+processes of their own; `"threads"` runs them in the driver. A Ray backend takes over the same
+boundaries; nothing else is shared.
 
 The reconciler: group g of the plan is task `order[g]` (seeded shuffle; single epoch by default, so
 no prompt is trained twice). At most `max_inflight_groups` groups are dispatched and not yet
@@ -30,9 +31,11 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from opencomposer.core import memory
 from opencomposer.core.errors import UserError
@@ -45,6 +48,7 @@ from opencomposer.rl.events import EventLog, read_events
 from opencomposer.rl.objective import ObjectiveConfig
 from opencomposer.rl.rewards import RewardConfig
 from opencomposer.rl.rollout import Sample, run_rollout
+from opencomposer.rl.services import Replica, ReplicaProcess, Workers, evaluate
 from opencomposer.rl.trainer import RLTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,9 @@ class RLConfig:
     eval_samples: int = 4
     slots: int = 8
     max_len: int | None = None
+    services: Literal["processes", "threads"] = "processes"
+    """Where the replica, the rollout workers and the evaluator run (`rl/services.py`): processes
+    of their own that talk to the driver over HTTP and the weight store, or threads of the driver."""
 
 
 def agent_config(cfg: RLConfig) -> AgentConfig:
@@ -111,71 +118,6 @@ def harness_config(tools: tuple[str, ...], max_turns: int, max_wall_s: float) ->
         raise RLError(f"unknown tool(s) {sorted(unknown)}; the harness has {sorted(t.name for t in ALL_TOOLS)}")
     enabled = ToolConfig(disabled=tuple(t.name for t in ALL_TOOLS if t.name not in tools)) if tools else ToolConfig()
     return AgentConfig(max_turns=max_turns, max_wall_s=max_wall_s, tools=enabled)
-
-
-class Replica:
-    """The inference service: our server on the current weights, pulling new versions from the
-    store in a background thread (rejected versions are logged to the event log)."""
-
-    def __init__(self, cfg: RLConfig, store_url: str, events: EventLog):
-        self.cfg, self.store_url, self.events = cfg, store_url, events
-        self.server = self.puller = None
-        self.rejected = 0
-        """Versions this replica refused (corrupt, partial, out of order): the trainer answers with a
-        full snapshot."""
-        self._last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> Replica:
-        from opencomposer.inference.server import ServeConfig, Server, load_served
-        from opencomposer.inference.weight_store import WeightPuller, WeightStore, WeightStoreConfig
-
-        engine, tok = load_served(self.cfg.model, slots=self.cfg.slots, max_len=self.cfg.max_len)
-        self.server = Server(engine, tok, "policy", ServeConfig(port=0, default_max_tokens=self.cfg.turn_tokens))
-        self.server.start()
-        self.puller = WeightPuller(WeightStore(WeightStoreConfig(url=self.store_url)), engine)
-        self._stop.clear()
-        self.pull()
-        self._thread = threading.Thread(target=self._loop, name="weight-puller", daemon=True)
-        self._thread.start()
-        return self
-
-    def pull(self) -> None:
-        from opencomposer.inference.weight_store import WeightStoreError
-
-        try:
-            self.puller.poll(wait=60.0)
-            self._last_error = None
-        except (WeightStoreError, TimeoutError) as e:
-            if str(e) == self._last_error:
-                return  # the same refusal on every poll until a full snapshot comes: recorded once
-            self._last_error = str(e)
-            self.rejected += 1
-            self.events.record("weights_rejected", replica=self.url, version=self.version, error=str(e)[:500])
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.2):
-            self.pull()
-
-    @property
-    def url(self) -> str:
-        return self.server.url if self.server else ""
-
-    @property
-    def version(self) -> int:
-        return self.server.engine.version if self.server else -1
-
-    def alive(self) -> bool:
-        return self.server is not None and self.server.engine.load()["alive"]
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
 
 
 def _plan(n_tasks: int, cfg: RLConfig) -> list[int]:
@@ -207,6 +149,8 @@ class Run:
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
         self.version, self.trained = 0, set()
         self._rejections_answered = 0
+        self._last_step_time: float | None = None
+        """Wall clock of the last step (this process): step_seconds is the time between steps."""
         ckpt = self.out / "step.pt"
         if ckpt.exists():
             self.version, trained = self.trainer.load(ckpt)
@@ -242,8 +186,15 @@ class Run:
             out.append(g)
         return out
 
+    def _replica(self) -> Replica:
+        cfg = self.cfg
+        kw = dict(slots=cfg.slots, max_len=cfg.max_len, turn_tokens=cfg.turn_tokens)
+        if cfg.services == "processes":
+            return ReplicaProcess(cfg.model, self.store_url, self.events, log_dir=self.out / "services", **kw).start()
+        return Replica(cfg.model, self.store_url, self.events, **kw).start()
+
     def run(self) -> dict:
-        from opencomposer.harness.openai_policy import OpenAIPolicy
+        from opencomposer.harness.openai_policy import OpenAIPolicyConfig
         from opencomposer.inference.weight_store import WeightStore, WeightStoreConfig
         from opencomposer.sandbox.pool import PoolConfig, SandboxPool
 
@@ -253,28 +204,32 @@ class Run:
             self.events.record("published", version=0, **_pub(store.publish(self.trainer.model.to_hf_state(), 0)))
         elif self.version > 0:  # a restart: the trainer's state, published whole so every replica can load it
             self._publish(store)
-        replica = self.replica = Replica(cfg, self.store_url, self.events).start()
+        replica = self.replica = self._replica()
         self.events.record("run_started", version=self.version, trained_groups=len(self.trained),
-                           ready_groups=sorted(self.ready))
-        pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.workers), max_load_per_cpu=None))
+                           ready_groups=sorted(self.ready), services=cfg.services)
+        pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.workers), max_load_per_cpu=None)) \
+            if cfg.services == "threads" else None
         stop = threading.Event()
         inflight: dict[int, dict] = {}  # group -> {"samples": {i: Sample}, "attempts": {i: n}}
-        futures: dict[Future, tuple[int, int]] = {}
+        self._pending: deque[tuple[int, int]] = deque()  # queued samples, submitted as workers free up
+        self._futures: dict[Future, tuple[int, int]] = {}
+        self.workers = Workers(cfg.workers, cfg.services, pool=pool, stop=stop, rollout=run_rollout)
         summary: dict = {"steps": []}
-        executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="rollout")
         G = cfg.objective.group_size
         steps_done = len(self.trained) // cfg.groups_per_step
         if cfg.evaluate and not (self.out / "evals" / "step-0" / "summary.json").exists():
             summary["eval_start"] = self._evaluate(replica, "step-0")
+        self._last_step_time = time.time()  # the first step's time counts from here, evals apart
         try:
             while steps_done < cfg.steps:
                 if not replica.alive():
-                    self.events.record("replica_restarted", reason="engine not alive")
+                    self.events.record("replica_restarted", reason="replica not alive")
                     replica.stop()
-                    replica = self.replica = Replica(cfg, self.store_url, self.events).start()
+                    replica = self.replica = self._replica()
                     self._rejections_answered = 0
-                policy = OpenAIPolicy(base_url=replica.url, model="policy", temperature=cfg.temperature,
-                                      max_tokens=cfg.turn_tokens, timeout_s=cfg.rollout_timeout_s, max_retries=0)
+                self._policy = OpenAIPolicyConfig(base_url=replica.url, model="policy", temperature=cfg.temperature,
+                                                  max_tokens=cfg.turn_tokens, timeout_s=cfg.rollout_timeout_s,
+                                                  max_retries=0)
                 if cfg.sync:  # one step's groups at a time, sampled by the trainer's latest weights
                     want = cfg.groups_per_step if not inflight and not self.ready else 0
                     if want:
@@ -284,18 +239,21 @@ class Run:
                 for g in self._next_groups(max(0, want), set(inflight) | set(self.ready)):
                     inflight[g] = {"samples": {}, "attempts": {i: 0 for i in range(G)}}
                     for i in range(G):
-                        self._submit(executor, futures, g, i, policy, pool, stop, inflight)
+                        self._queue(g, i, inflight)
+                self._pump(inflight)
                 if not inflight and not self.ready:
                     summary["stopped"] = "the plan has no more groups (single epoch: no prompt twice)"
                     break
                 # collect finished rollouts until enough groups are ready for a step
-                while len(self.ready) < cfg.groups_per_step and futures:
-                    done, _ = wait(list(futures), timeout=cfg.rollout_timeout_s + 60, return_when=FIRST_COMPLETED)
+                while len(self.ready) < cfg.groups_per_step and self._futures:
+                    done, _ = wait(list(self._futures), timeout=cfg.rollout_timeout_s + 60,
+                                   return_when=FIRST_COMPLETED)
                     if not done:
                         raise RLError(f"no rollout finished within {cfg.rollout_timeout_s + 60:.0f} s")
                     for fut in done:
-                        g, i = futures.pop(fut)
-                        self._collect(fut, g, i, inflight, executor, futures, policy, pool, stop)
+                        g, i = self._futures.pop(fut)
+                        self._collect(fut, g, i, inflight)
+                    self._pump(inflight)
                     self._repair(store, replica)  # a refused version is answered while rollouts go on
                 if len(self.ready) < cfg.groups_per_step:
                     continue
@@ -318,6 +276,7 @@ class Run:
                 if cfg.evaluate and cfg.eval_every and steps_done % cfg.eval_every == 0 \
                         and steps_done < cfg.steps:
                     self._evaluate(replica, f"step-{steps_done}")
+                    self._last_step_time = time.time()
             self._export()
             if cfg.evaluate:
                 summary["eval_end"] = self._evaluate(replica, f"step-{steps_done}")
@@ -326,9 +285,10 @@ class Run:
             raise
         finally:
             stop.set()
-            executor.shutdown(wait=True, cancel_futures=True)
+            self.workers.shutdown()
             replica.stop()
-            pool.close()
+            if pool is not None:
+                pool.close()
             self.metrics.close()
         summary.update(version=self.version, trained_groups=len(self.trained), failed_groups=len(self.failed_groups))
         self.events.record("run_finished", **{k: v for k, v in summary.items() if k != "steps"})
@@ -336,34 +296,45 @@ class Run:
         write_atomic(self.out / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
         return summary
 
-    def _submit(self, executor, futures, g, i, policy, pool, stop, inflight) -> None:
+    def _queue(self, g: int, i: int, inflight: dict) -> None:
         task = self.tasks[self.planner.task(g)]
-        sid = f"g{g}.{i}"
         inflight[g]["attempts"][i] += 1
-        sample = Sample(id=sid, group=g, index=i + 100 * (inflight[g]["attempts"][i] - 1), task=task.id)
-        self.events.record("queued", sid, group=g, task=task.id, attempt=inflight[g]["attempts"][i])
+        self.events.record("queued", f"g{g}.{i}", group=g, task=task.id, attempt=inflight[g]["attempts"][i])
+        self._pending.append((g, i))
 
-        seeded = dataclasses.replace(policy.config, seed=episode_seed(self.cfg.seed, sid, sample.index))
+    def _pump(self, inflight: dict) -> None:
+        """Hand queued samples to workers while one is free: the reconciler holds the queue, so a
+        sample is `rolling_out` exactly when a worker has it."""
+        while self._pending and len(self._futures) < self.cfg.workers:
+            g, i = self._pending.popleft()
+            if g not in inflight:  # its group failed meanwhile
+                continue
+            task = self.tasks[self.planner.task(g)]
+            sid, attempt = f"g{g}.{i}", inflight[g]["attempts"][i]
+            sample = Sample(id=sid, group=g, index=i + 100 * (attempt - 1), task=task.id)
+            seeded = dataclasses.replace(self._policy, seed=episode_seed(self.cfg.seed, sid, sample.index))
+            self.events.record("rolling_out", sid, policy_url=seeded.base_url)
+            fut = self.workers.submit(task, sample, seeded, agent_config(self.cfg), self.cfg.rewards,
+                                      self.out / "trajectories" / f"g{g}")
+            self._futures[fut] = (g, i)
 
-        def work() -> Sample:
-            from opencomposer.harness.openai_policy import OpenAIPolicy
-
-            self.events.record("rolling_out", sid, policy_url=policy.config.base_url)
-            return run_rollout(task, sample, OpenAIPolicy(seeded), pool, agent_config(self.cfg), self.cfg.rewards,
-                               self.out / "trajectories" / f"g{g}", stop=stop,
-                               on_grading=lambda s: self.events.record("grading", s.id))
-
-        futures[executor.submit(work)] = (g, i)
-
-    def _collect(self, fut, g, i, inflight, executor, futures, policy, pool, stop) -> None:
+    def _collect(self, fut, g, i, inflight) -> None:
         try:
             s = fut.result()
         except Exception as e:  # noqa: BLE001 - a worker that died: its sample is re-queued
             s = Sample(id=f"g{g}.{i}", group=g, index=i, task="", error=f"worker died: {type(e).__name__}: {e}")
+            if Workers.broke(e) and self.workers.broken_by(fut):
+                self.workers.replace()
+                self.events.record("worker_replaced", reason=f"{type(e).__name__}: {e}"[:300],
+                                   replaced=self.workers.replaced)
+        if s.error is None and s.graded_at is not None:
+            self.events.record("grading", s.id, started=s.graded_at)
         if s.error is not None:
             self.events.record("failed", s.id, reason=s.error)
+            if g not in inflight:
+                return
             if inflight[g]["attempts"][i] < self.cfg.max_attempts:
-                self._submit(executor, futures, g, i, policy, pool, stop, inflight)
+                self._queue(g, i, inflight)
             else:
                 self._fail_group(g, f"sample {s.id} failed {self.cfg.max_attempts} times: {s.error}")
                 inflight.pop(g, None)
@@ -427,8 +398,11 @@ class Run:
 
     def _evaluate(self, replica: Replica, label: str) -> dict:
         """Mean pass rate and best-of-K on the held-out split, through the same harness and server,
-        on the weights the replica serves once it has caught up with the trainer."""
-        from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+        on the weights the replica serves once it has caught up with the trainer (the evaluator
+        service: its own process with `services = "processes"`)."""
+        from opencomposer.tasks.format import load_dataset
+
+        from opencomposer.evals.runner import EvalConfig
         from opencomposer.harness.openai_policy import OpenAIPolicyConfig
 
         cfg = self.cfg
@@ -438,7 +412,9 @@ class Run:
         ecfg = EvalConfig(tasks=cfg.tasks, split=cfg.eval_split, passes=cfg.eval_samples, concurrency=cfg.workers,
                           agent=agent_config(cfg), policy=OpenAIPolicyConfig(temperature=cfg.temperature,
                                                                              max_tokens=cfg.turn_tokens, seed=cfg.seed))
-        s = run_eval(ecfg, policy_factory(replica.url, "policy", ecfg.policy), self.out / "evals" / label)
+        n = len(load_dataset(cfg.tasks, cfg.eval_split)) * cfg.eval_samples
+        s = evaluate(ecfg, replica.url, "policy", self.out / "evals" / label, cfg.services,
+                     timeout_s=cfg.rollout_timeout_s * max(1, n // max(1, cfg.workers) + 1))
         rec = {"label": label, "version": replica.version, "accuracy": s["accuracy"],
                "interval": s.get("accuracy_ci95"), f"best_of_{cfg.eval_samples}": s.get(f"best_of_{cfg.eval_samples}"),
                "episodes": s["episodes"]}
@@ -478,6 +454,9 @@ class Run:
                 calls[n] = calls.get(n, 0) + c
         editing = ("search_replace", "write_file", "delete_file")
         edits = sum(1 for s in samples if any(n in s.tool_calls for n in editing))
+        rollout_s = {k: round(sum(s.seconds.get(k, 0.0) for s in samples) / len(samples), 3)
+                     for k in ("episode", "policy", "tools", "grade")}
+        now = time.time()
         rec = {"step": len(self.trained) // cfg.groups_per_step, "version": self.version,
                "groups": [g for g, _ in groups],
                "reward": sum(s.reward for s in samples) / len(samples),
@@ -488,12 +467,16 @@ class Run:
                "tool_calls": calls, "broken_calls": sum(s.breakdown.get("broken_calls", 0) for s in samples),
                "edit_rate": edits / len(samples), "merge_rate": sum(s.merge_rate for s in samples) / len(samples),
                "staleness": {str(k): staleness.count(k) for k in sorted(set(staleness))},
-               "train_seconds": round(t1 - t0, 3), "publish_seconds": m["seconds"], "delta_bytes": m["bytes"],
+               "train_seconds": round(t1 - t0, 3), "publish_seconds": m["seconds"], "rollout_seconds": rollout_s,
+               "step_seconds": round(now - self._last_step_time, 3) if self._last_step_time else None,
+               "delta_bytes": m["bytes"],
                "full_bytes": m["raw_bytes"], "replica_version": replica.version,
-               "grad_norm": st.get("grad_norm", 0.0), "loss": st["loss"], **memory.usage(), "time": time.time()}
+               "grad_norm": st.get("grad_norm", 0.0), "loss": st["loss"], **memory.usage(), "time": now}
+        self._last_step_time = now
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
-        self.events.record("step", **{k: v for k, v in rec.items() if k not in ("tool_calls", "staleness")})
+        self.events.record("step", **{k: v for k, v in rec.items() if k not in ("tool_calls", "staleness",
+                                                                               "rollout_seconds")})
         if self.progress is not None:
             self.progress(rec)
         return rec

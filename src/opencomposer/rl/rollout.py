@@ -6,6 +6,7 @@ the episode's own failures: those come back as a failed sample with the reason."
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,11 @@ class Sample:
     min_version: int | None = None
     merge_rate: float = 1.0
     trajectory: str = ""
+    graded_at: float | None = None
+    """Wall-clock time (epoch seconds) at which the hidden tests began, in the worker."""
+    seconds: dict = field(default_factory=dict)
+    """Where the rollout's time went: `episode` (the harness, start to end), of it `policy` (waiting
+    for completions) and `tools`, then `grade` (hidden tests in a clean fork)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,7 +52,7 @@ class Sample:
 
 
 def run_rollout(task: Task, sample: Sample, policy, pool, agent: AgentConfig, rewards: RewardConfig,
-                traj_dir: Path, stop: threading.Event | None = None, on_grading=None) -> Sample:
+                traj_dir: Path, stop: threading.Event | None = None) -> Sample:
     cfg = EvalConfig(tasks=task.root.parent, agent=agent)
     traj_dir.mkdir(parents=True, exist_ok=True)
     rec = run_episode(task, sample.index, policy, cfg, pool, traj_dir, "train", stop=stop)
@@ -54,14 +60,15 @@ def run_rollout(task: Task, sample: Sample, policy, pool, agent: AgentConfig, re
     if rec["status"] in ("infra_error", "interrupted"):
         sample.error = f"{rec['status']}: {rec['detail']}"[:500]
         return sample
-    if on_grading is not None:
-        on_grading(sample)
+    sample.graded_at = time.time() - rec.get("grade_seconds", 0.0)  # grading ends the episode
     try:
         traj = Trajectory.load(sample.trajectory)
         seqs, stats = build_sequences(traj)
     except (OSError, ValueError, SequenceError) as e:
         sample.error = f"sequences: {type(e).__name__}: {e}"[:500]
         return sample
+    sample.seconds = {"episode": round(rec["seconds"], 3), "policy": round(traj.policy_seconds, 3),
+                      "tools": round(traj.tool_seconds, 3), "grade": round(rec.get("grade_seconds", 0.0), 3)}
     r = reward(traj, rec["passed"], rewards)
     names = [c.name for c in traj.tool_calls]
     sample.passed, sample.reward, sample.breakdown = bool(rec["passed"]), r.total, asdict(r)

@@ -107,18 +107,27 @@ def episode_stats(out: Path) -> dict:
     }
 
 
+TURN_CHARS_PER_TOKEN = 1.5
+"""Characters of tool-call arguments a demonstration puts in one turn, per token of `turn_tokens`:
+with SmolLM2's tokenizer an edit's JSON-escaped code takes about 0.5 tokens a character plus ~20 a
+call, so 1.5 x 256 = 384 characters rendered to at most 228 tokens on the rename family."""
+
+
 def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path) -> list[Path]:
     """Demonstrations of the train split through the harness (`evals/demonstration.py`), with the
     agent stages' tool set, so SFT renders the same system prompt the policy will see. Only
     episodes that pass go to SFT."""
     import dataclasses
 
-    from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+    from opencomposer.evals.demonstration import demonstration_policy
+    from opencomposer.evals.runner import EvalConfig, run_eval
 
-    # the demonstration's own five turns, whatever the agent stages' turn budget
-    demo = dataclasses.replace(agent, max_turns=max(agent.max_turns, 8))
+    # The demonstration's own turns, whatever the agent stages' turn budget; but each of its turns
+    # must fit the policy's `turn_tokens`, or SFT teaches calls the policy is cut off writing.
+    demo = dataclasses.replace(agent, max_turns=max(agent.max_turns, 16))
+    chars = int(TURN_CHARS_PER_TOKEN * agent.turn_tokens)
     s = run_eval(EvalConfig(tasks=tasks, split=split, passes=1, concurrency=2, agent=harness(demo)),
-                 policy_factory("demonstration"), out)
+                 lambda task, k=0: demonstration_policy(task, k, max_turn_chars=chars), out)
     passed = [out / "trajectories" / f"{r['task']}.{r['pass']}.json" for r in read_jsonl(out / "results.jsonl")
               if r["passed"]]
     if not passed:

@@ -1,0 +1,315 @@
+"""The RL loop's services behind their boundaries: inference replicas, rollout workers and the
+evaluator. The loop (`rl/loop.py`) sees only these interfaces — a replica is a URL with a version
+that follows the weight store; a worker turns (task, sample, policy URL) into a graded `Sample`; the
+evaluator turns (eval config, policy URL) into a summary — so where they run is a backend's choice:
+
+- `processes` (the default): each replica is `opencomposer serve --weights=<store>` in its own
+  process, pulling and verifying versions on its own; rollout workers are a pool of processes
+  (spawned, so none inherits the trainer's torch threads); each held-out evaluation runs in a
+  process of its own. Nothing is shared but HTTP and the store. A worker process that dies breaks
+  the pool: the pool is replaced and every sample it held is rolled out again (`worker_replaced`).
+- `threads`: the same services as threads of the driver (tests that reach into a replica's engine
+  or patch a worker use it).
+
+A Ray backend takes over the same four calls (start a replica, submit a rollout, evaluate, stop).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from opencomposer.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(RuntimeError, UserError):
+    pass
+
+
+class Replica:
+    """An inference replica in this process: our server on the current weights, following the store
+    (`WeightFollower`). Refusals are recorded in the event log when the driver reads `rejected`."""
+
+    def __init__(self, model: Path, store_url: str, events, *, slots: int, max_len: int | None, turn_tokens: int):
+        self.model, self.store_url, self.events = model, store_url, events
+        self.slots, self.max_len, self.turn_tokens = slots, max_len, turn_tokens
+        self.server = None
+        self._reported = 0
+
+    def start(self) -> Replica:
+        from opencomposer.inference.server import ServeConfig, Server, load_served
+
+        engine, tok = load_served(self.model, slots=self.slots, max_len=self.max_len)
+        self.server = Server(engine, tok, "policy", ServeConfig(port=0, default_max_tokens=self.turn_tokens,
+                                                                weights=self.store_url)).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.server.url if self.server else ""
+
+    @property
+    def version(self) -> int:
+        return self.server.engine.version if self.server else -1
+
+    def _refusals(self) -> list[dict]:
+        follower = self.server.frontend.follower if self.server else None
+        return follower.refusals if follower is not None else []
+
+    @property
+    def rejected(self) -> int:
+        """Versions this replica refused (corrupt, partial, out of order); new ones are recorded."""
+        refusals = self._refusals()
+        for r in refusals[self._reported:]:
+            self.events.record("weights_rejected", replica=self.url, version=r["version"], error=r["error"])
+        self._reported = len(refusals)
+        return len(refusals)
+
+    def alive(self) -> bool:
+        return self.server is not None and self.server.engine.load()["alive"]
+
+    def kill(self) -> None:
+        """What a crash looks like from outside (tests): the engine stops answering."""
+        self.server.engine.stop()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+class ReplicaProcess(Replica):
+    """An inference replica in its own process: `opencomposer serve --weights=<store>` on a free
+    port, found through its ready file. Its version and refusals are read from its /health."""
+
+    START_TIMEOUT_S = 600.0
+
+    def __init__(self, *args, log_dir: Path, **kw):
+        super().__init__(*args, **kw)
+        self.log_dir = Path(log_dir)
+        self.proc: subprocess.Popen | None = None
+        self._url = ""
+        self._health: dict = {}
+        self._health_at = 0.0
+
+    def start(self) -> ReplicaProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        fd, ready = tempfile.mkstemp(prefix="replica-", suffix=".json", dir=self.log_dir)
+        os.close(fd)
+        os.unlink(ready)
+        cmd = [sys.executable, "-m", "opencomposer.cli", "serve", "--model", str(self.model), "--name", "policy",
+               "--port", "0", "--slots", str(self.slots), "--weights", self.store_url,
+               f"--ready_file={json.dumps(ready)}", f"--default_max_tokens={self.turn_tokens}"]
+        if self.max_len:
+            cmd += ["--max-len", str(self.max_len)]
+        self._log = open(self.log_dir / "replica.log", "ab")  # noqa: SIM115 - the child writes to it for its life
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while not Path(ready).exists():
+            if self.proc.poll() is not None:
+                raise ServiceError(f"the replica process exited with {self.proc.returncode} before it served "
+                                   f"(see {self.log_dir / 'replica.log'}): {self._log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServiceError(f"the replica process did not serve within {self.START_TIMEOUT_S:.0f} s "
+                                   f"(see {self.log_dir / 'replica.log'})")
+            time.sleep(0.05)
+        self._url = json.loads(Path(ready).read_text())["url"]
+        os.unlink(ready)
+        return self
+
+    def _log_tail(self) -> str:
+        try:
+            return (self.log_dir / "replica.log").read_bytes()[-600:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def health(self, max_age_s: float = 0.05) -> dict:
+        """The replica's /health (cached for `max_age_s`); {} when it does not answer."""
+        if time.monotonic() - self._health_at < max_age_s:
+            return self._health
+        try:
+            with urllib.request.urlopen(self._url.removesuffix("/v1") + "/health", timeout=5) as r:
+                self._health = json.loads(r.read())
+        except (OSError, ValueError):
+            self._health = {}
+        self._health_at = time.monotonic()
+        return self._health
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def version(self) -> int:
+        return int(self.health().get("policy_version", -1))
+
+    def _refusals(self) -> list[dict]:
+        return ((self.health().get("weights") or {}).get("refusals")) or []
+
+    @property
+    def rejected(self) -> int:
+        weights = self.health().get("weights") or {}
+        refusals, total = weights.get("refusals") or [], int(weights.get("rejected", 0))
+        first = total - len(refusals)  # /health lists the newest refusals only
+        for i, r in enumerate(refusals):
+            if first + i >= self._reported:
+                self.events.record("weights_rejected", replica=self.url, version=r["version"], error=r["error"])
+        self._reported = max(self._reported, total)
+        return total
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and \
+            self.health(max_age_s=0.0).get("status") == "ok"
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # `opencomposer serve` stops on SIGTERM
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+
+# -- rollout workers ----------------------------------------------------------------------------------
+
+_POOL = None
+"""A worker process's sandbox pool (made by `_init_worker`)."""
+_BUSY = False
+"""Whether the worker process is in a rollout (a SIGTERM then unwinds it; an idle one just exits)."""
+
+
+def _init_worker(max_concurrent: int) -> None:
+    from opencomposer.sandbox.pool import PoolConfig, SandboxPool
+
+    global _POOL
+    _POOL = SandboxPool(PoolConfig(max_concurrent=max_concurrent, max_load_per_cpu=None))
+
+    def _interrupt(*_):  # SIGTERM from the driver: unwind, so the sandbox's `with` blocks close it
+        if _BUSY:
+            raise KeyboardInterrupt
+        os._exit(0)  # idle: nothing to close
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides what a Ctrl-C ends
+
+
+def rollout_job(task_root: str, sample, policy_config, agent, rewards, traj_dir: str):
+    """One rollout in a worker process (`rl/rollout.py`): a picklable function of its inputs."""
+    from opencomposer.harness.openai_policy import OpenAIPolicy
+    from opencomposer.rl.rollout import run_rollout
+    from opencomposer.tasks.format import Task
+
+    global _BUSY
+    _BUSY = True
+    try:
+        return run_rollout(Task.load(Path(task_root)), sample, OpenAIPolicy(policy_config), _POOL, agent, rewards,
+                           Path(traj_dir))
+    finally:
+        _BUSY = False
+
+
+def evaluation_job(ecfg, url: str, model: str, out: str) -> dict:
+    """A held-out evaluation in its own process (the evaluator service)."""
+    from opencomposer.evals.runner import policy_factory, run_eval
+
+    return run_eval(ecfg, policy_factory(url, model, ecfg.policy), Path(out))
+
+
+class Workers:
+    """Rollout workers: `submit(...)` -> a Future of a `Sample`. Processes (spawned) or threads."""
+
+    def __init__(self, count: int, backend: str, pool=None, stop: threading.Event | None = None, rollout=None):
+        self.count, self.backend, self.pool, self.stop_event = count, backend, pool, stop
+        self.rollout = rollout
+        """The threads backend's rollout function (`rl.rollout.run_rollout`; tests wrap it)."""
+        self.replaced = 0
+        self._executor = self._make()
+        self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # future -> its executor
+
+    def _make(self):
+        if self.backend == "processes":
+            return ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_init_worker, initargs=(2,))
+        return ThreadPoolExecutor(self.count, thread_name_prefix="rollout")
+
+    def submit(self, task, sample, policy_config, agent, rewards, traj_dir: Path) -> Future:
+        if self.backend == "processes":
+            fut = self._executor.submit(rollout_job, str(task.root), sample, policy_config, agent, rewards,
+                                        str(traj_dir))
+        else:
+            from opencomposer.harness.openai_policy import OpenAIPolicy
+
+            fut = self._executor.submit(self.rollout, task, sample, OpenAIPolicy(policy_config), self.pool, agent,
+                                        rewards, traj_dir, stop=self.stop_event)
+        self._of[fut] = self._executor
+        return fut
+
+    @staticmethod
+    def broke(error: BaseException) -> bool:
+        """The worker process died (killed, out of memory): the whole pool is gone with it."""
+        return isinstance(error, BrokenProcessPool)
+
+    def broken_by(self, fut: Future) -> bool:
+        """Whether `fut` ran on the current pool (the first of a dead pool's futures to be seen
+        replaces it; the rest ran on the pool already replaced)."""
+        return self._of.pop(fut, None) is self._executor
+
+    def replace(self) -> None:
+        """A new pool after a dead one (its futures have all failed; their samples are re-queued)."""
+        self._shutdown(self._executor)
+        self._executor = self._make()
+        self.replaced += 1
+
+    def _shutdown(self, executor) -> None:
+        if isinstance(executor, ProcessPoolExecutor):
+            # Running rollouts are ended, not awaited (Python 3.14 names this terminate_workers()):
+            # SIGTERM unwinds each worker's sandbox; the reaper collects what a SIGKILL leaves.
+            for p in list((getattr(executor, "_processes", None) or {}).values()):
+                if p.is_alive():
+                    p.terminate()
+            executor.shutdown(wait=True, cancel_futures=True)
+        else:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def shutdown(self) -> None:
+        self._shutdown(self._executor)
+
+
+def evaluate(ecfg, url: str, model: str, out: Path, backend: str, timeout_s: float) -> dict:
+    """Run a held-out evaluation against a replica's URL: in its own process, or in this one."""
+    if backend != "processes":
+        return evaluation_job(ecfg, url, model, str(out))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        fut = ex.submit(evaluation_job, ecfg, url, model, str(out))
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError:
+            for p in list((getattr(ex, "_processes", None) or {}).values()):
+                p.kill()
+            raise ServiceError(f"the evaluation did not finish within {timeout_s:.0f} s") from None
