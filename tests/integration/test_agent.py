@@ -201,6 +201,24 @@ def test_observations_fit_the_served_context(buggy_repo, served):
         assert sum(len(m.get("content") or "") for m in second) / ContextConfig().chars_per_token < served
 
 
+def test_a_failed_summary_drops_old_outputs_and_the_episode_goes_on(buggy_repo):
+    """The summary request fails (the server refuses it): the context is cut by dropping tool outputs
+    (oldest first) until a call fits again, once, not a reset after a reset."""
+    (buggy_repo / "big.py").write_text("".join(f"VALUE_{i} = {i}  # line {i}\n" for i in range(4000)))
+    grep = {"tool_calls": [{"name": "grep", "arguments": {"pattern": "def add"}}]}
+    reads = {"tool_calls": [{"name": "read_file", "arguments": {"target_file": "big.py"}},
+                            {"name": "read_file", "arguments": {"target_file": "big.py", "offset": 2001}}]}
+    turns = [grep, reads, {"http_error": 400}, {"content": "done"}]
+    with FakeOpenAIServer(turns, max_model_len=2000) as srv:
+        # reserve 200: the cut read fills the context past the trigger (0.8 of 2,000), so a reset comes
+        traj = run_agent(buggy_repo, OpenAIPolicy(base_url=srv.base_url, model="fake-model"),
+                         AgentConfig(context=ContextConfig(reserve_tokens=200)))
+        sizes = [sum(len(json.dumps(m)) for m in r["messages"]) // 4 for r in srv.requests]
+    assert traj.stop_reason == "done" and len(traj.summaries) == 1 and traj.summaries[0]["summary"] is None
+    assert "[output omitted to save context]" in json.dumps(traj.segments[-1].messages)
+    assert max(sizes) < 2000 and sizes[-1] < 0.8 * 2000  # the summary request fit; after it, under the trigger
+
+
 def test_openai_policy_errors(buggy_repo):
     with FakeOpenAIServer([{"http_error": 500}] * 5) as srv:
         policy = OpenAIPolicy(base_url=srv.base_url, model="m", max_retries=0)

@@ -91,6 +91,20 @@ def test_rl_raises_the_pass_rate_against_its_lr0_control(family, tmp_path):
             "edit_rate", "broken_calls"} <= set(rows[0])
 
 
+def _group_alive(pgid: int) -> list[str]:
+    """Command lines of the live processes in process group `pgid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and os.getpgid(int(d.name)) == pgid:
+                stat = (d / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except (OSError, IndexError):
+            continue
+    return out
+
+
 @pytest.mark.timeout(1200)
 def test_a_killed_trainer_resumes_and_a_dead_replica_is_replaced(family, tmp_path):
     out = tmp_path / "run"
@@ -114,8 +128,14 @@ def test_a_killed_trainer_resumes_and_a_dead_replica_is_replaced(family, tmp_pat
             break
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)  # the driver alone: its services must not outlive it
     proc.wait(30)
+    deadline = time.monotonic() + 120
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _group_alive(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL) if left else None
+    assert not left, f"processes outlived the killed driver: {left}"
     before = read_events(out / "events.jsonl")
     grouped_before = {e["group"] for e in before if e["kind"] == "grouped"}
     trained_before = {g for e in before if e["kind"] == "step" for g in e["groups"]}

@@ -54,6 +54,15 @@ def test_rewards_and_behaviour_terms():
     assert rw.comment_dump(dump) and not rw.comment_dump(traj(diff="+++ b/a.py\n+# one note\n+x = 1\n+y = 2\n"))
     term = traj(tool_calls=[{"name": "run_terminal_cmd", "error_type": None, "observation_chars": 10}] * 4)
     assert rw.terminal_collapse(term) and not rw.terminal_collapse(traj())
+    # failed edits: counted for edit tools only, and cost only when their weight is on (default off)
+    edits = traj(tool_calls=[{"name": "search_replace", "error_type": "NoMatch", "observation_chars": 40},
+                             {"name": "search_replace", "error_type": "NotUnique", "observation_chars": 40},
+                             {"name": "read_file", "error_type": "NotFound", "observation_chars": 40},
+                             {"name": "search_replace", "error_type": None, "observation_chars": 40}])
+    assert rw.failed_edits(edits) == 2 and rw.broken_calls(edits) == 0
+    on = rw.RewardConfig(failed_edit=0.05)
+    assert rw.reward(edits, True, on).total == pytest.approx(rw.reward(edits, True).total - 0.1)
+    assert rw.reward(edits, True, on).failed_edits == 2
     # a longer episode costs more, concavely
     long = traj(turns=40)
     assert rw.reward(long, True).effort > good.effort

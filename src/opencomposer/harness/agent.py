@@ -86,6 +86,10 @@ class Agent:
         """Set by another thread (an eval being interrupted): the episode ends before its next call."""
         self.trajectory: Trajectory | None = None
         self._budget = self.config.context.budget_tokens
+        self._cpt = self.config.context.chars_per_token
+        """Characters per token of what tools return, measured from the server's usage as the episode
+        goes (code tokenizes denser than prose); the configured estimate until then."""
+        self._since: tuple[int, int] | None = None  # (context tokens, characters added since) for that
 
     # ------------------------------------------------------------------------------------------
     def run(self, task: str, *, history: Sequence[str] = (), recent: Sequence[str] | None = None,
@@ -160,6 +164,10 @@ class Agent:
                 messages, seg = self._reset(messages, seg, traj, ctx, system, task, history, context_tokens)
                 st.update(seg=seg, messages=messages)
                 context_tokens = self._estimate(messages)
+                self._since = None
+                if context_tokens > budget * cfg.context.trigger:  # nothing more to drop: no call would fit
+                    traj.stop_reason = "context_exhausted"
+                    break
                 continue
             comp = self._call(messages, schemas, traj, seg)
             if comp is None:
@@ -174,6 +182,7 @@ class Agent:
             new = self._run_tools(comp, ctx, traj, seg.index, room_tokens=budget - cfg.context.reserve_tokens - before)
             messages += new
             context_tokens = before + self._estimate(new)
+            self._since = (before, _chars(new))
 
     # ------------------------------------------------------------------------------------------
     def _limit(self, traj: Trajectory, t0: float) -> str | None:
@@ -191,8 +200,17 @@ class Agent:
         return None
 
     def _estimate(self, messages: Sequence[dict]) -> int:
-        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
-        return int(chars / self.config.context.chars_per_token)
+        return int(_chars(messages) / self._cpt)
+
+    def _calibrate(self, prompt_tokens: int) -> None:
+        """The prompt the server counted, against the context before the last tool outputs: how many
+        characters of those outputs made a token."""
+        if self._since is None or not prompt_tokens:
+            return
+        before, chars = self._since
+        self._since = None
+        if chars >= 200 and prompt_tokens > before:
+            self._cpt = min(8.0, max(1.0, chars / (prompt_tokens - before)))
 
     def _call(self, messages: list[dict], tools: list[dict], traj: Trajectory, seg: Segment | None,
               policy: Policy | None = None) -> Completion | None:
@@ -205,6 +223,7 @@ class Agent:
             log.warning("policy error: %s", e)
             return None
         traj.policy_seconds += time.perf_counter() - t
+        self._calibrate(comp.usage.prompt_tokens)
         traj.turns += 1
         traj.prompt_tokens += comp.usage.prompt_tokens
         traj.completion_tokens += comp.usage.completion_tokens
@@ -230,7 +249,7 @@ class Agent:
             results = [self.toolset.call(ctx, tc.name, tc.arguments) for tc in calls]
         traj.tool_seconds += time.perf_counter() - t
         if room_tokens is not None:
-            results = fit_observations(results, int(max(0, room_tokens) * self.config.context.chars_per_token))
+            results = fit_observations(results, int(max(0, room_tokens) * self._cpt))
         out = []
         for tc, res in zip(calls, results):
             traj.tool_calls.append(ToolCallRecord(traj.turns, segment, tc.id, tc.name, tc.arguments, res.ok,
@@ -266,7 +285,12 @@ class Agent:
         if mode == "truncate" or summary is None:
             kept = [dict(m) for m in messages if not (m["role"] == "user" and m["content"] == prompt.SUMMARIZE_PROMPT)]
             tool_idx = [i for i, m in enumerate(kept) if m["role"] == "tool"]
-            for i in tool_idx[: max(1, len(tool_idx) - 4)]:
+            # Old outputs go first; the newest four too, oldest first, while the context is still
+            # over the trigger (a failed summary must not leave a context no call fits in).
+            for n, i in enumerate(tool_idx):
+                if n >= len(tool_idx) - 4 and \
+                        self._estimate(kept) <= self._budget * self.config.context.trigger:
+                    break
                 kept[i]["content"] = "[output omitted to save context]"
             new_messages = kept
         else:
@@ -277,6 +301,10 @@ class Agent:
                                "tokens_after": self._estimate(new_messages), "summary": summary})
         self.on_event("summary", traj.summaries[-1])
         return new_messages, new_seg
+
+
+def _chars(messages: Sequence[dict]) -> int:
+    return sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
 
 
 def context_budget(policy: Policy, configured: int) -> int:

@@ -465,6 +465,7 @@ class Run:
                "trained_tokens": st["trained_tokens"], "tokens_per_rollout": sum(s.trained_tokens for s in samples)
                / len(samples), "turns_per_rollout": sum(s.turns for s in samples) / len(samples),
                "tool_calls": calls, "broken_calls": sum(s.breakdown.get("broken_calls", 0) for s in samples),
+               "failed_edits": sum(s.breakdown.get("failed_edits", 0) for s in samples),
                "edit_rate": edits / len(samples), "merge_rate": sum(s.merge_rate for s in samples) / len(samples),
                "staleness": {str(k): staleness.count(k) for k in sorted(set(staleness))},
                "train_seconds": round(t1 - t0, 3), "publish_seconds": m["seconds"], "rollout_seconds": rollout_s,

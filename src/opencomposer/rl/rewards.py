@@ -20,6 +20,10 @@ from typing import Any
 
 BROKEN_CALLS = ("MalformedArguments", "UnknownTool", "InvalidArguments")
 """Error types that mean the model sent a call the harness could not run as written."""
+EDIT_TOOLS = ("search_replace", "write_file", "delete_file")
+FAILED_EDITS = ("NoMatch", "NotUnique", "NotFound")
+"""Well-formed edits that changed nothing: text that is not in the file (or not once), a file
+that is not there. A model that edits what it never read, or copies a line wrong, makes these."""
 _SCRATCH = re.compile(r"<scratchpad>(.*?)(?:</scratchpad>|$)", re.S)
 
 
@@ -59,6 +63,10 @@ class RewardConfig:
     weights: EffortWeights = field(default_factory=EffortWeights)
     broken_call: float = 0.05
     """Taken off per broken tool call (malformed JSON, unknown tool, invalid arguments)."""
+    failed_edit: float = 0.0
+    """Taken off per failed edit (`FAILED_EDITS`): the report's "penalties for poor tool calls"
+    (§4.2). Off by default; on, every group gets a signal about how precisely the policy edits,
+    even one whose rollouts all fail the tests (docs/rl.md)."""
     unfinished_todo: float = 0.05
     """Taken off per todo item left pending or in progress."""
     comment_dump: float = 0.1
@@ -94,6 +102,11 @@ def effort(traj, w: EffortWeights = EffortWeights()) -> float:
 
 def broken_calls(traj) -> int:
     return sum(1 for t in _get(traj, "tool_calls", []) or [] if _get(t, "error_type") in BROKEN_CALLS)
+
+
+def failed_edits(traj) -> int:
+    return sum(1 for t in _get(traj, "tool_calls", []) or []
+               if _get(t, "name") in EDIT_TOOLS and _get(t, "error_type") in FAILED_EDITS)
 
 
 def unfinished_todos(traj) -> int:
@@ -136,6 +149,7 @@ class RewardBreakdown:
     unfinished_todos: int
     comment_dump: bool
     terminal_collapse: bool
+    failed_edits: int = 0
 
 
 def reward(traj, passed: bool, cfg: RewardConfig = RewardConfig()) -> RewardBreakdown:
@@ -144,6 +158,8 @@ def reward(traj, passed: bool, cfg: RewardConfig = RewardConfig()) -> RewardBrea
     pen = cfg.effort * effort_penalty(x, cfg.effort_k, cfg.effort_q) / effort_penalty(cfg.effort_ref, cfg.effort_k,
                                                                                      cfg.effort_q)
     b, u, d, t = broken_calls(traj), unfinished_todos(traj), comment_dump(traj), terminal_collapse(traj)
+    f = failed_edits(traj)
     v = cfg.verifier * float(bool(passed))
-    total = v - pen - cfg.broken_call * b - cfg.unfinished_todo * u - cfg.comment_dump * d - cfg.terminal_collapse * t
-    return RewardBreakdown(total, v, pen, x, b, u, d, t)
+    total = v - pen - cfg.broken_call * b - cfg.unfinished_todo * u - cfg.comment_dump * d - cfg.terminal_collapse * t \
+        - cfg.failed_edit * f
+    return RewardBreakdown(total, v, pen, x, b, u, d, t, f)

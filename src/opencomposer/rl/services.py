@@ -119,7 +119,7 @@ class ReplicaProcess(Replica):
             cmd += ["--max-len", str(self.max_len)]
         self._log = open(self.log_dir / "replica.log", "ab")  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while not Path(ready).exists():
             if self.proc.poll() is not None:
@@ -196,6 +196,17 @@ class ReplicaProcess(Replica):
             self._log = None
 
 
+def _die_with_parent() -> None:
+    """In a child before exec (Linux): SIGTERM it when the process that started it dies, so a
+    driver killed with SIGKILL leaves no replica serving behind it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 # -- rollout workers ----------------------------------------------------------------------------------
 
 _POOL = None
@@ -204,16 +215,35 @@ _BUSY = False
 """Whether the worker process is in a rollout (a SIGTERM then unwinds it; an idle one just exits)."""
 
 
+def _watch_parent() -> None:
+    """A pool process ends when the driver that started it dies: the pool's queue pipe stays open
+    in the sibling workers, so no end-of-file would tell them. A busy worker gets the same SIGTERM
+    as at shutdown first, so its rollout unwinds and closes its sandbox."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        if _BUSY:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
 def _init_worker(max_concurrent: int) -> None:
     from opencomposer.sandbox.pool import PoolConfig, SandboxPool
 
+    _watch_parent()
     global _POOL
     _POOL = SandboxPool(PoolConfig(max_concurrent=max_concurrent, max_load_per_cpu=None))
 
-    def _interrupt(*_):  # SIGTERM from the driver: unwind, so the sandbox's `with` blocks close it
+    def _interrupt(*_):  # SIGTERM from the driver: a rollout unwinds, so its sandbox's `with` blocks close it
         if _BUSY:
             raise KeyboardInterrupt
-        os._exit(0)  # idle: nothing to close
+        # idle: nothing to close, and raising inside the pool's queue read could leave its lock held;
+        # the pool's shutdown sentinel ends this worker
 
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides what a Ctrl-C ends
@@ -286,16 +316,26 @@ class Workers:
         self._executor = self._make()
         self.replaced += 1
 
-    def _shutdown(self, executor) -> None:
-        if isinstance(executor, ProcessPoolExecutor):
-            # Running rollouts are ended, not awaited (Python 3.14 names this terminate_workers()):
-            # SIGTERM unwinds each worker's sandbox; the reaper collects what a SIGKILL leaves.
-            for p in list((getattr(executor, "_processes", None) or {}).values()):
-                if p.is_alive():
-                    p.terminate()
+    def _shutdown(self, executor, grace_s: float = 30.0) -> None:
+        if not isinstance(executor, ProcessPoolExecutor):
             executor.shutdown(wait=True, cancel_futures=True)
-        else:
-            executor.shutdown(wait=True, cancel_futures=True)
+            return
+        # Running rollouts are ended, not awaited: queued work is cancelled and idle workers take
+        # the pool's sentinel; a busy one gets SIGTERM, which unwinds its rollout (and closes its
+        # sandbox), then takes the sentinel too. Whatever is left after `grace_s` is SIGKILLed,
+        # and the sandbox reaper collects what that leaves. (Python 3.14: terminate_workers().)
+        procs = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
 
     def shutdown(self) -> None:
         self._shutdown(self._executor)
@@ -305,7 +345,7 @@ def evaluate(ecfg, url: str, model: str, out: Path, backend: str, timeout_s: flo
     """Run a held-out evaluation against a replica's URL: in its own process, or in this one."""
     if backend != "processes":
         return evaluation_job(ecfg, url, model, str(out))
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent) as ex:
         fut = ex.submit(evaluation_job, ecfg, url, model, str(out))
         try:
             return fut.result(timeout=timeout_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from opencomposer.core.metrics import MetricsWriter, read_jsonl
 from opencomposer.core.rundir import RunDir
@@ -28,6 +29,10 @@ class RLStageConfig:
     normalizer: float = 4096.0
     effort: float = 0.1
     """Weight of the concave effort penalty (report §4.2)."""
+    failed_edit: float = 0.0
+    """Taken off per edit that changed nothing (`RewardConfig.failed_edit`)."""
+    services: Literal["processes", "threads"] = "processes"
+    """Where the replica, rollout workers and evaluator run (`RLConfig.services`)."""
 
 
 def staleness(steps: list[dict]) -> dict[str, int]:
@@ -63,7 +68,7 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
                     slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef),
-                    rewards=RewardConfig(effort=cfg.effort))
+                    rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit), services=cfg.services)
     out = run_dir.stage("rl")
     summary = run_loop(rcfg, out, progress=progress)
     steps = summary.pop("steps")
