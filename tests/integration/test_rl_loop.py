@@ -169,31 +169,79 @@ def test_a_killed_trainer_resumes_and_a_dead_replica_is_replaced(family, tmp_pat
                for e in failed), failed
 
 
-class MalformedFirstCall:
-    """The policy under test, except that its first tool call's arguments come back cut short (a
-    malformed call, as a model emits one); the sampled token ids are untouched."""
+class FirstCallFault:
+    """The policy under test, except that its first turn is drawn again (a new seed each time, at
+    most 40 draws) until it calls a tool, and `fault(completion)` is applied to that turn. The
+    tiny model calls a tool 30-50% of the time: without redrawing, a fault meant for a tool call
+    would find none now and then. Every turn returned is one the sampler produced, ids and all."""
 
     def __init__(self, policy):
         self.policy, self.calls = policy, 0
         self.name = policy.name
 
+    def fault(self, c):
+        return c
+
     def complete(self, messages, tools):
         c = self.policy.complete(messages, tools)
         self.calls += 1
-        if self.calls == 1 and c.tool_calls:
-            cut = tuple(dataclasses.replace(t, arguments=t.arguments[: len(t.arguments) // 2]) for t in c.tool_calls)
-            c = dataclasses.replace(c, tool_calls=cut)
+        if self.calls == 1:
+            for _ in range(40):
+                if c.tool_calls:
+                    return self.fault(c)
+                c = self.policy.complete(messages, tools)
         return c
 
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
 
+class MalformedFirstCall(FirstCallFault):
+    """The first tool call's arguments come back cut short (a malformed call, as a model emits one);
+    the sampled token ids are untouched."""
+
+    def fault(self, c):
+        cut = tuple(dataclasses.replace(t, arguments=t.arguments[: len(t.arguments) // 2]) for t in c.tool_calls)
+        return dataclasses.replace(c, tool_calls=cut)
+
+
+class KillsItsToolServer(FirstCallFault):
+    """Before the first tool call runs, the sandbox tool servers this test process started are
+    SIGKILLed (a sandbox process dying mid-rollout); nothing outside this process tree is touched."""
+
+    def fault(self, c):
+        for pid in _descendants(os.getpid()):
+            try:
+                if b"sandbox/toolserver.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        return c
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit():
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 @pytest.mark.timeout(1200)
 def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monkeypatch):
-    """One run, four faults: a rollout worker that dies, a task whose verifier hangs, a policy
-    that emits a malformed tool call, a weight delta corrupted in the store. Each is in the event
-    log; nothing is trained twice; the run ends with every step trained."""
+    """One run, five faults: a rollout worker that dies, a task whose verifier hangs, a policy
+    that emits a malformed tool call, a sandbox whose tool server is killed mid-rollout, a weight
+    delta corrupted in the store. Each is in the event log; nothing is trained twice; the run ends
+    with every step trained."""
     import re
     import shutil
 
@@ -219,8 +267,10 @@ def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monk
         if sample.id == "g0.1" and not died:
             died.append(sample.id)
             raise RuntimeError("injected: the worker died")
-        if sample.group in (1, 2):  # the tiny model calls a tool about half the time: 8 chances
+        if sample.group in (1, 2):
             policy = MalformedFirstCall(policy)
+        if sample.id == "g3.0":
+            policy = KillsItsToolServer(policy)
         return real_rollout(task, sample, policy, *a, **kw)
 
     def corrupting_publish(self, state, version, **kw):
@@ -256,8 +306,11 @@ def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monk
     assert hung and all(not grouped[s]["passed"] for s in hung)
     assert all(grouped[s]["t"] - grading[s] < 60 for s in hung)
     # the malformed calls: executed as broken calls, counted in the samples' reward terms
-    broken = [s for s, e in grouped.items() if e["group"] in (1, 2) and e["broken_calls"] >= 1]
-    assert broken
+    malformed = [e for e in grouped.values() if e["group"] in (1, 2)]
+    assert malformed and all(e["broken_calls"] >= 1 for e in malformed)
+    # the killed tool server: the sandbox started a new one, the rollout went on and was trained
+    restarted = [e for e in events if e["kind"] == "sandbox_restarted"]
+    assert "g3.0" in {e["rollout"] for e in restarted} and "g3.0" in grouped  # graded, not failed
     # the corrupt delta: refused by the replica, answered with a full snapshot, the run went on
     rejected = [e for e in events if e["kind"] == "weights_rejected"]
     republished = [e for e in events if e["kind"] == "republished"]
@@ -266,3 +319,12 @@ def test_injected_faults_are_recorded_and_the_run_goes_on(family, tmp_path, monk
     assert len(republished) == 1  # one answer: the replica loads it and follows the deltas again
     # a group the lag made too stale is dropped with its reason, never trained
     assert all("stale" in e["reason"] for e in events if e["kind"] == "group_failed")
+
+
+@pytest.mark.timeout(600)
+def test_a_time_budget_ends_the_run_at_a_step_boundary(family, tmp_path):
+    """`minutes`: no step starts once the budget is spent; the run still exports its policy."""
+    cfg = dataclasses.replace(config(family, LR, steps=50), evaluate=False, minutes=0.01, services="threads")
+    summary = Run(cfg, tmp_path / "run").run()
+    assert summary["version"] == 1 and "time budget" in summary["stopped"]  # the first step, then no more
+    assert (tmp_path / "run" / "model" / "config.json").exists()

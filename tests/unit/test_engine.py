@@ -73,6 +73,16 @@ def test_moe_experts_replay_through_the_model():
     assert all(st.mismatch == 0.0 for st in out.router)
 
 
+def test_n_samples_share_a_prefill_in_a_long_context():
+    """n > 1 copies one slot's cache into the others; at a context of 1024 positions and more that
+    copy once raised (index_put refused a source that shares memory with its target), so every
+    n > 1 request to a server at the model's full context failed."""
+    model = llama()
+    engine = Engine(model, config=EngineConfig(slots=4, max_len=1024))
+    seqs = engine.generate(list(range(1, 101)), SamplingParams(temperature=1.0, max_tokens=4, seed=1), n=3)
+    assert [len(s.tokens) for s in seqs] == [4, 4, 4]
+
+
 def test_prefix_sharing_and_seeds():
     model = llama()
     engine = Engine(model, config=EngineConfig(slots=4, max_len=64))

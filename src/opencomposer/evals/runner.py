@@ -155,6 +155,8 @@ def run_episode(task: Task, k: int, policy: Policy, cfg: EvalConfig, pool: Sandb
                           stop=stop)
             traj = agent.run(task.prompt, save_to=path)
             rec["seconds"] = time.perf_counter() - t0
+            # a tool server that died mid-episode and was started again (the sandbox does it itself)
+            rec["sandbox_restarts"] = int(sb.stats().get("server_restarts", 0))
             rec.update(turns=traj.turns, prompt_tokens=traj.prompt_tokens, completion_tokens=traj.completion_tokens,
                        cost_usd=traj.cost_usd, tool_calls=len(traj.tool_calls), tool_errors=traj.tool_errors,
                        stop_reason=traj.stop_reason)

@@ -66,7 +66,9 @@ class KVCache:
         for layer in self._store:
             if layer is not None:
                 for t in layer:
-                    t[d, :, :n] = t[src, :, :n]
+                    # a copy first: the source row is a view of the written tensor, and index_put
+                    # refuses a value that shares its memory
+                    t[d, :, :n] = t[src, :, :n].clone()
         self.lengths[d] = n
 
     def read(self, slot: int, start: int, end: int) -> list[tuple[torch.Tensor, ...] | None]:

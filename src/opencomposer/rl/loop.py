@@ -39,6 +39,7 @@ from typing import Literal
 
 from opencomposer.core import memory
 from opencomposer.core.errors import UserError
+from opencomposer.core.metrics import read_jsonl
 from opencomposer.core.rundir import write_atomic
 from opencomposer.evals.runner import episode_seed
 from opencomposer.harness.agent import AgentConfig
@@ -69,6 +70,9 @@ class RLConfig:
     eval_split: str | None = "held_out"
     """The held-out split (None: every task of the dataset folder)."""
     steps: int = 10
+    minutes: float | None = None
+    """A wall-clock budget for training: no step starts after this many minutes of the run (held-out
+    evaluations not counted, earlier invocations of a resumed run counted); None: `steps` alone."""
     groups_per_step: int = 1
     max_inflight_groups: int = 2
     max_staleness: int = 2
@@ -149,6 +153,7 @@ class Run:
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
         self.version, self.trained = 0, set()
         self._rejections_answered = 0
+        self._eval_seconds = 0.0  # held-out evaluations during the run: not counted in `minutes`
         self._last_step_time: float | None = None
         """Wall clock of the last step (this process): step_seconds is the time between steps."""
         ckpt = self.out / "step.pt"
@@ -220,8 +225,13 @@ class Run:
         if cfg.evaluate and not (self.out / "evals" / "step-0" / "summary.json").exists():
             summary["eval_start"] = self._evaluate(replica, "step-0")
         self._last_step_time = time.time()  # the first step's time counts from here, evals apart
+        spent = sum(r.get("step_seconds") or 0.0 for r in read_jsonl(self.out / "metrics.jsonl"))
+        started = time.time()
         try:
             while steps_done < cfg.steps:
+                if cfg.minutes is not None and spent + time.time() - started - self._eval_seconds > cfg.minutes * 60:
+                    summary["stopped"] = f"the time budget ({cfg.minutes:g} min) ran out after {steps_done} steps"
+                    break
                 if not replica.alive():
                     self.events.record("replica_restarted", reason="replica not alive")
                     replica.stop()
@@ -275,7 +285,9 @@ class Run:
                 self._repair(store, replica)
                 if cfg.evaluate and cfg.eval_every and steps_done % cfg.eval_every == 0 \
                         and steps_done < cfg.steps:
+                    t_eval = time.time()
                     self._evaluate(replica, f"step-{steps_done}")
+                    self._eval_seconds += time.time() - t_eval
                     self._last_step_time = time.time()
             self._export()
             if cfg.evaluate:
@@ -327,6 +339,9 @@ class Run:
                 self.workers.replace()
                 self.events.record("worker_replaced", reason=f"{type(e).__name__}: {e}"[:300],
                                    replaced=self.workers.replaced)
+        if s.sandbox_restarts:
+            # a run event (the sample's state did not change), naming the rollout
+            self.events.record("sandbox_restarted", rollout=s.id, restarts=s.sandbox_restarts)
         if s.error is None and s.graded_at is not None:
             self.events.record("grading", s.id, started=s.graded_at)
         if s.error is not None:

@@ -35,6 +35,8 @@ class Sample:
     min_version: int | None = None
     merge_rate: float = 1.0
     trajectory: str = ""
+    sandbox_restarts: int = 0
+    """Times the sandbox's tool server died during the episode and was started again."""
     graded_at: float | None = None
     """Wall-clock time (epoch seconds) at which the hidden tests began, in the worker."""
     seconds: dict = field(default_factory=dict)
@@ -61,6 +63,7 @@ def run_rollout(task: Task, sample: Sample, policy, pool, agent: AgentConfig, re
         sample.error = f"{rec['status']}: {rec['detail']}"[:500]
         return sample
     sample.graded_at = time.time() - rec.get("grade_seconds", 0.0)  # grading ends the episode
+    sample.sandbox_restarts = int(rec.get("sandbox_restarts", 0))
     try:
         traj = Trajectory.load(sample.trajectory)
         seqs, stats = build_sequences(traj)

@@ -17,6 +17,9 @@ from opencomposer.core.rundir import RunDir
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RLStageConfig:
     steps: int = 8
+    minutes: float | None = None
+    """A wall-clock budget for the loop's training (`RLConfig.minutes`): it stops at `steps` or
+    when this runs out, whichever comes first."""
     groups_per_step: int = 1
     group_size: int = 4
     max_inflight_groups: int = 2
@@ -60,7 +63,7 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
         raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}")
     # single epoch while the train split is large enough; a small family is visited again
     epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
-    rcfg = RLConfig(model=model, tasks=tasks, split=split, evaluate=False, steps=cfg.steps,
+    rcfg = RLConfig(model=model, tasks=tasks, split=split, evaluate=False, steps=cfg.steps, minutes=cfg.minutes,
                     groups_per_step=cfg.groups_per_step, max_inflight_groups=cfg.max_inflight_groups,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
