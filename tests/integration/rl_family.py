@@ -1,8 +1,9 @@
 """A tiny task family the RL tests learn on: real stdlib bug-fix tasks (colorsys, built by the task
 builders, graded by colorsys' own tests), a tiny real model taught by SFT on two behaviours for each
 task — apply the fix with `search_replace` then stop, or stop at once — calibrated so that the fix
-is sampled 30-50% of the time at the tests' temperature. RL in the real harness must raise that; with learning rate 0 it
-must not. The model is trained here in seconds; nothing is scripted at sampling time."""
+is sampled 30-50% of the time at the tests' temperature (TEMPERATURE, which the RL tests sample at).
+RL in the real harness must raise that; with learning rate 0 it must not. The model is trained here
+in seconds; nothing is scripted at sampling time."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def episode(task, turns, cfg) -> tuple[list[dict], list[dict]]:
     return traj.segments[0].messages, traj.extra["tools"]
 
 
-BRANCH = (0.3, 0.5)  # the fix's probability at the branch token, at the tests' temperature
-TEMPERATURE = 0.7
+TEMPERATURE = 0.7  # the RL tests sample at it; the family is calibrated at it
+BRANCH = (0.3, 0.5)  # the fix's probability at the branch token, at TEMPERATURE
 
 
 def sft_step(model, opt, seq, weight: float) -> None:

@@ -32,7 +32,7 @@ from opencomposer.rl.loop import RLConfig, Run  # noqa: E402
 from opencomposer.rl.objective import ObjectiveConfig  # noqa: E402
 from opencomposer.rl.rewards import RewardConfig  # noqa: E402
 from opencomposer.rl.trainer import TrainerConfig  # noqa: E402
-from tests.integration.rl_family import TOOLS, build_family  # noqa: E402
+from tests.integration.rl_family import TEMPERATURE, TOOLS, build_family  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -47,7 +47,7 @@ def family(tmp_path_factory):
 def config(family, lr: float, steps: int = STEPS, **kw) -> RLConfig:
     tasks, model = family
     return RLConfig(model=model, tasks=tasks, split=None, eval_split=None, evaluate=True, eval_samples=16,
-                    steps=steps, epochs=steps, tools=TOOLS, temperature=0.7, turn_tokens=400, max_turns=3,
+                    steps=steps, epochs=steps, tools=TOOLS, temperature=TEMPERATURE, turn_tokens=400, max_turns=3,
                     workers=2, objective=ObjectiveConfig(group_size=4, normalizer=256.0, kl_coef=0.0),
                     trainer=TrainerConfig(lr=lr), rewards=RewardConfig(effort=0.0), **kw)
 
@@ -115,8 +115,8 @@ def test_a_killed_trainer_resumes_and_a_dead_replica_is_replaced(family, tmp_pat
     toml.write_text("\n".join([f'model = "{cfg.model}"', f'tasks = "{cfg.tasks}"', "steps = 4", "epochs = 6",
                                "max_attempts = 3",
                                "evaluate = false", "max_inflight_groups = 3", 'tools = ["search_replace"]',
-                               "turn_tokens = 400", "max_turns = 3", "temperature = 0.7", "[trainer]", f"lr = {LR}",
-                               "[objective]",
+                               "turn_tokens = 400", "max_turns = 3", f"temperature = {TEMPERATURE}", "[trainer]",
+                               f"lr = {LR}", "[objective]",
                                "group_size = 4", "normalizer = 256.0", "kl_coef = 0.0", "[rewards]", "effort = 0.0"])
                     + "\n")
     cmd = [sys.executable, "-m", "opencomposer.cli", "rl", "-c", str(toml), "--out", str(out)]
