@@ -326,9 +326,20 @@ class Run:
             sample = Sample(id=sid, group=g, index=i + 100 * (attempt - 1), task=task.id)
             seeded = dataclasses.replace(self._policy, seed=episode_seed(self.cfg.seed, sid, sample.index))
             self.events.record("rolling_out", sid, policy_url=seeded.base_url)
-            fut = self.workers.submit(task, sample, seeded, agent_config(self.cfg), self.cfg.rewards,
-                                      self.out / "trajectories" / f"g{g}")
+            args = (task, sample, seeded, agent_config(self.cfg), self.cfg.rewards, self.out / "trajectories" / f"g{g}")
+            try:
+                fut = self.workers.submit(*args)
+            except Exception as e:  # noqa: BLE001 - an idle worker died: the pool broke with no future to tell
+                if not Workers.broke(e):
+                    raise
+                self._replace_workers(e)
+                fut = self.workers.submit(*args)
             self._futures[fut] = (g, i)
+
+    def _replace_workers(self, error: BaseException) -> None:
+        self.workers.replace()
+        self.events.record("worker_replaced", reason=f"{type(error).__name__}: {error}"[:300],
+                           replaced=self.workers.replaced)
 
     def _collect(self, fut, g, i, inflight) -> None:
         try:
@@ -336,9 +347,7 @@ class Run:
         except Exception as e:  # noqa: BLE001 - a worker that died: its sample is re-queued
             s = Sample(id=f"g{g}.{i}", group=g, index=i, task="", error=f"worker died: {type(e).__name__}: {e}")
             if Workers.broke(e) and self.workers.broken_by(fut):
-                self.workers.replace()
-                self.events.record("worker_replaced", reason=f"{type(e).__name__}: {e}"[:300],
-                                   replaced=self.workers.replaced)
+                self._replace_workers(e)
         if s.sandbox_restarts:
             # a run event (the sample's state did not change), naming the rollout
             self.events.record("sandbox_restarted", rollout=s.id, restarts=s.sandbox_restarts)
