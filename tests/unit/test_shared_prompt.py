@@ -1,6 +1,7 @@
 """The group's shared prompt computed once in the training forward equals G full forwards: the same
 logprobs and the same gradient on every parameter, for the dense family and for the MoE family
-with router replay; and the prefix is never stretched past what the sequences share."""
+with router replay, with and without activation checkpointing; and the prefix is never stretched
+past what the sequences share."""
 
 from __future__ import annotations
 
@@ -46,13 +47,13 @@ def group(model, prompt_len=23, suffixes=(7, 12, 9), seed=1) -> list[RLSequence]
     return seqs
 
 
-def run(model, seqs, shared: bool):
+def run(model, seqs, shared: bool, checkpoint: bool = False):
     model.zero_grad(set_to_none=True)
     weights = [1.0, -0.5, 2.0]
     out = []
-    sp = SharedPromptForward(model, seqs, shared_prefix(seqs)) if shared else None
+    sp = SharedPromptForward(model, seqs, shared_prefix(seqs), checkpoint=checkpoint) if shared else None
     for w, seq in zip(weights, seqs):
-        logp = sp.logprobs(seq) if sp is not None else sequence_logprobs(model, seq)
+        logp = sp.logprobs(seq) if sp is not None else sequence_logprobs(model, seq, checkpoint=checkpoint)
         (w * logp).sum().backward()
         out.append(logp.detach())
     if sp is not None:
@@ -77,6 +78,69 @@ def test_shared_prompt_equals_full_forwards(family):
     row = next(iter(prompt_only))
     emb = next(k for k in g if "embed" in k)
     assert g[emb][row].abs().sum() > 0
+
+
+class CountingBlocks:
+    """Counts block forwards (each block's `forward` wrapped; torch's recompute does not fire
+    forward hooks): checkpointing shows as forwards run again in the backward."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.blocks = list(model.layers)
+        for b in self.blocks:
+            b.forward = self._counting(b.forward)
+
+    def _counting(self, forward):
+        def counted(*args, **kw):
+            self.calls += 1
+            return forward(*args, **kw)
+        return counted
+
+    def close(self):
+        for b in self.blocks:
+            del b.forward
+
+
+@pytest.mark.parametrize("family", [dense, moe], ids=["dense", "moe-replay"])
+@pytest.mark.parametrize("shared", [False, True], ids=["full", "shared-prompt"])
+def test_activation_checkpointing_changes_no_number(family, shared):
+    model = family()
+    seqs = group(model)
+    ref_lp, ref_g = run(model, seqs, shared=shared)
+    counter = CountingBlocks(model)
+    try:
+        plain = counter.calls
+        run(model, seqs, shared=shared, checkpoint=False)
+        plain, counter.calls = counter.calls - plain, 0
+        lp, g = run(model, seqs, shared=shared, checkpoint=True)
+    finally:
+        counter.close()
+    assert counter.calls > plain  # the blocks really ran again in the backward
+    for a, b in zip(ref_lp, lp):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert g.keys() == ref_g.keys()
+    for name in ref_g:
+        torch.testing.assert_close(g[name], ref_g[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_shared_prompt_checkpoints_only_forwards_from_the_threshold():
+    model = dense()
+    seqs = group(model, prompt_len=23, suffixes=(7, 12, 9))
+    counter = CountingBlocks(model)
+    try:
+        sp = SharedPromptForward(model, seqs, shared_prefix(seqs), checkpoint=10)  # prefix 22: checkpointed
+        after_prefix = counter.calls
+        short, long_ = sp.logprobs(seqs[0]), sp.logprobs(seqs[1])  # suffixes of 8 and 13 tokens
+        forwards = counter.calls
+        short.sum().backward()
+        assert counter.calls == forwards  # 8 < 10: its activations were kept
+        long_.sum().backward()
+        assert counter.calls == forwards + len(model.layers)  # 13 >= 10: recomputed
+        sp.backward()
+        assert counter.calls == forwards + 2 * len(model.layers)  # the prefix's blocks, recomputed once
+        assert after_prefix == len(model.layers)
+    finally:
+        counter.close()
 
 
 def test_the_prefix_stops_where_the_sequences_differ_or_route_differently():

@@ -268,9 +268,10 @@ class DeepseekModel(CausalLM):
 
     def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None,
             replay: torch.Tensor | None = None, mtp: bool = False, logits: bool | str = True,
-            segments: torch.Tensor | None = None) -> ForwardOut:
+            segments: torch.Tensor | None = None, checkpoint: bool = False) -> ForwardOut:
         """The full forward. `replay` (B, T, n_moe_layers, top_k) overrides the routing with the
-        sampler's experts (router replay); `mtp=True` also returns the MTP heads' logits (no cache)."""
+        sampler's experts (router replay); `mtp=True` also returns the MTP heads' logits (no cache);
+        `checkpoint`: activation checkpointing per block in a training forward (`CausalLM._block`)."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         pos, mask, r = self._positions(input_ids, cache, rows, segments)
@@ -281,7 +282,7 @@ class DeepseekModel(CausalLM):
         routed, stats = [], []
         for layer in self.layers:
             rep = replay[:, :, len(routed)] if (replay is not None and layer.is_moe) else None
-            x, idx, st = layer(x, cos, sin, cache, r, mask, rep)
+            x, idx, st = self._block(layer, checkpoint, x, cos, sin, cache, r, mask, rep)
             if idx is not None:
                 routed.append(idx)
                 stats.append(st)

@@ -114,15 +114,16 @@ class LlamaModel(CausalLM):
         return KVCache(len(self.layers), slots, max_len or self.config.max_position_embeddings)
 
     def run(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, rows=None, logits: bool | str = True,
-            segments: torch.Tensor | None = None, **_) -> ForwardOut:
+            segments: torch.Tensor | None = None, checkpoint: bool = False, **_) -> ForwardOut:
         """The full forward. With a cache, `rows` are the cache slots of the batch rows (default:
-        all slots) and each row continues from its own length."""
+        all slots) and each row continues from its own length. `checkpoint`: activation
+        checkpointing per block in a training forward (`CausalLM._block`)."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         pos, mask, r = self._positions(input_ids, cache, rows, segments)
         cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, r, mask)
+            x = self._block(layer, checkpoint, x, cos, sin, cache, r, mask)
         if cache is not None:
             cache.advance(r, t)
         h = self.norm(x)

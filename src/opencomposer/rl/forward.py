@@ -24,14 +24,16 @@ def replay_tensor(seq: RLSequence) -> torch.Tensor | None:
 
 
 def sequence_logprobs(model: torch.nn.Module, seq: RLSequence, *, temperature: float | None = None,
-                      replay: bool = True) -> torch.Tensor:
-    """log p of each trained token (where `loss_mask` is 1), in order, differentiable."""
+                      replay: bool = True, checkpoint: bool = False) -> torch.Tensor:
+    """log p of each trained token (where `loss_mask` is 1), in order, differentiable. `checkpoint`:
+    recompute each block's activations in the backward instead of keeping them (the same numbers;
+    memory that no longer grows with the sequence's length times the depth)."""
     t = temperature if temperature is not None else float((seq.sampling or {}).get("temperature") or 1.0)
     if t <= 0:
         raise ValueError("temperature 0 (greedy) has no logprobs to match; sample at temperature > 0")
     ids = torch.tensor([seq.ids], dtype=torch.long)
     pos = torch.tensor([i for i in range(1, len(seq.ids)) if seq.loss_mask[i]], dtype=torch.long)
-    options: dict = {"logits": False}
+    options: dict = {"logits": False, "checkpoint": checkpoint}
     rep = replay_tensor(seq) if replay else None
     if rep is not None:
         options["replay"] = rep
@@ -54,11 +56,17 @@ class PrefixKV:
     leaves its gradient on the leaves. `backward()` then runs the prefix's backward once with the
     gradient all G rollouts left there. The result equals G separate full forwards and backwards
     (the prefix's gradient is linear in the gradients reaching its keys and values), at the
-    prefix's cost once instead of G times."""
+    prefix's cost once instead of G times.
+
+    Under activation checkpointing a block's forward runs again in the backward, `write` included:
+    during the prefix's backward `write` hands back what it is given (the prefix's own keys and
+    values, as when they were recorded), and a suffix's recompute sees the same leaves as its first
+    forward did, so the recomputed activations are the ones the first forward saved."""
 
     def __init__(self, num_layers: int):
         self._recorded: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
         self._leaves: list[tuple[torch.Tensor, ...] | None] | None = None
+        self._replaying = False
         self.length = 0
 
     # -- the part of KVCache's interface a forward uses ------------------------------------------
@@ -74,6 +82,8 @@ class PrefixKV:
         return LowerRightCausal(self.length) if self.length else None  # causal kernel, no (t, S) matrix
 
     def write(self, layer: int, rows: torch.Tensor, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._replaying:  # the prefix's blocks recomputed in its backward (checkpointing)
+            return new
         if self._leaves is None:  # recording the prefix
             self._recorded[layer] = new
             return new
@@ -97,7 +107,11 @@ class PrefixKV:
                     outs.append(x)
                     grads.append(leaf.grad)
         if outs:
-            torch.autograd.backward(outs, grads)
+            self._replaying = True
+            try:
+                torch.autograd.backward(outs, grads)
+            finally:
+                self._replaying = False
         self._recorded = [None] * len(self._recorded)
         self._leaves = None
 
@@ -126,13 +140,17 @@ def shared_prefix(seqs: list[RLSequence]) -> int:
 class SharedPromptForward:
     """`logprobs(seq)` for the sequences of one group whose first `length` ids are the same: the
     prompt's forward once (`PrefixKV`), each sequence's suffix on top. With `grad`, call
-    `backward()` after every suffix's loss has been backpropagated."""
+    `backward()` after every suffix's loss has been backpropagated. `checkpoint` (a bool, or a
+    length from which on a forward is checkpointed): activation checkpointing per block, as in
+    `sequence_logprobs`."""
 
-    def __init__(self, model: torch.nn.Module, seqs: list[RLSequence], length: int, grad: bool = True):
+    def __init__(self, model: torch.nn.Module, seqs: list[RLSequence], length: int, grad: bool = True,
+                 checkpoint: bool | int = False):
         self.model, self.length, self.grad = model, length, grad
+        self.checkpoint = checkpoint
         self.cache = PrefixKV(len(model.layers))
         seq = seqs[0]
-        options: dict = {"logits": False, "cache": self.cache}
+        options: dict = {"logits": False, "cache": self.cache, "checkpoint": self._checkpoints(length)}
         rep = replay_tensor(seq)
         if rep is not None:
             options["replay"] = rep[:, :length]
@@ -141,6 +159,10 @@ class SharedPromptForward:
         with torch.set_grad_enabled(grad):
             model(torch.tensor([seq.ids[:length]], dtype=torch.long), **options)
         self.cache.freeze()
+
+    def _checkpoints(self, tokens: int) -> bool:
+        c = self.checkpoint
+        return bool(c) if isinstance(c, bool) else tokens >= c
 
     def logprobs(self, seq: RLSequence, temperature: float | None = None) -> torch.Tensor:
         p = self.length
@@ -151,7 +173,7 @@ class SharedPromptForward:
         pos = torch.tensor([i for i in range(1, len(seq.ids)) if seq.loss_mask[i]], dtype=torch.long)
         if int(pos.min()) - 1 < p:
             raise ValueError(f"a trained token at {int(pos.min())} is predicted from inside the shared prefix ({p})")
-        options: dict = {"logits": False, "cache": self.cache}
+        options: dict = {"logits": False, "cache": self.cache, "checkpoint": self._checkpoints(len(seq.ids) - p)}
         rep = replay_tensor(seq)
         if rep is not None:
             options["replay"] = rep[:, p:]
