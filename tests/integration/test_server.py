@@ -412,3 +412,24 @@ def test_serve_follows_a_weight_store_as_its_own_process(tmp_path, tokenizer):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_stopped_server_lets_go_of_its_engine(llama_server, tokenizer):
+    """FastAPI caches every app's endpoint functions module-wide; they must not keep a stopped
+    server's engine (model, KV cache, prefix cache) alive: the speedrun's driver grew by a served
+    model per agent eval that way."""
+    import gc
+    import weakref
+
+    folder = llama_server[1]
+    engine, tok = load_served(folder, slots=2)
+    alive = weakref.ref(engine)
+    srv = Server(engine, tok, "tiny-llama", ServeConfig(port=0, default_max_tokens=4)).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+        assert c.chat.completions.create(model="tiny-llama", messages=MSG).choices
+    finally:
+        srv.stop()
+    del srv, engine, c
+    gc.collect()
+    assert alive() is None

@@ -334,6 +334,7 @@ class Server:
             if self._thread is not None:
                 self._thread.join(15)
         self.engine.stop()
+        self.frontend.close()  # the app's endpoints outlive it in FastAPI's caches (Frontend.close)
 
     def __enter__(self) -> "Server":
         return self.start()
