@@ -34,6 +34,11 @@ class RLStageConfig:
     """Weight of the concave effort penalty (report §4.2)."""
     failed_edit: float = 0.0
     """Taken off per edit that changed nothing (`RewardConfig.failed_edit`)."""
+    broken_call: float = 0.05
+    """Taken off per broken tool call (`RewardConfig.broken_call`). In the measured `renames` run
+    (effort 0) 13 of 15 groups passed nothing and trained on this term alone; at 0, such a group
+    carries a gradient only where the other behaviour terms (todos, comment dumps, terminal
+    collapse; `RewardConfig`) tell its rollouts apart."""
     services: Literal["processes", "threads"] = "processes"
     """Where the replica, rollout workers and evaluator run (`RLConfig.services`)."""
 
@@ -71,7 +76,8 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
                     slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef),
-                    rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit), services=cfg.services)
+                    rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
+                                         broken_call=cfg.broken_call), services=cfg.services)
     out = run_dir.stage("rl")
     summary = run_loop(rcfg, out, progress=progress)
     steps = summary.pop("steps")
