@@ -414,7 +414,7 @@ def test_serve_follows_a_weight_store_as_its_own_process(tmp_path, tokenizer):
         proc.wait(30)
 
 
-def test_a_stopped_server_lets_go_of_its_engine(llama_server, tokenizer):
+def test_a_stopped_server_lets_go_of_its_engine(llama_server):
     """FastAPI caches every app's endpoint functions module-wide; they must not keep a stopped
     server's engine (model, KV cache, prefix cache) alive: the speedrun's driver grew by a served
     model per agent eval that way."""

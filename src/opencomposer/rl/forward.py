@@ -23,17 +23,25 @@ def replay_tensor(seq: RLSequence) -> torch.Tensor | None:
     return torch.cat([experts, torch.full((1, *experts.shape[1:]), -1, dtype=torch.long)])[None]
 
 
+def checkpoints(setting: bool | int | None, tokens: int) -> bool:
+    """Whether a forward of `tokens` tokens runs with activation checkpointing: `setting` is a bool,
+    or a token count from which on it does (None: never; `TrainerConfig.checkpoint_tokens`)."""
+    if setting is None or isinstance(setting, bool):
+        return bool(setting)
+    return tokens >= setting
+
+
 def sequence_logprobs(model: torch.nn.Module, seq: RLSequence, *, temperature: float | None = None,
-                      replay: bool = True, checkpoint: bool = False) -> torch.Tensor:
-    """log p of each trained token (where `loss_mask` is 1), in order, differentiable. `checkpoint`:
-    recompute each block's activations in the backward instead of keeping them (the same numbers;
-    memory that no longer grows with the sequence's length times the depth)."""
+                      replay: bool = True, checkpoint: bool | int | None = False) -> torch.Tensor:
+    """log p of each trained token (where `loss_mask` is 1), in order, differentiable. `checkpoint`
+    (`checkpoints`): recompute each block's activations in the backward instead of keeping them (the
+    same numbers; memory that no longer grows with the sequence's length times the depth)."""
     t = temperature if temperature is not None else float((seq.sampling or {}).get("temperature") or 1.0)
     if t <= 0:
         raise ValueError("temperature 0 (greedy) has no logprobs to match; sample at temperature > 0")
     ids = torch.tensor([seq.ids], dtype=torch.long)
     pos = torch.tensor([i for i in range(1, len(seq.ids)) if seq.loss_mask[i]], dtype=torch.long)
-    options: dict = {"logits": False, "checkpoint": checkpoint}
+    options: dict = {"logits": False, "checkpoint": checkpoints(checkpoint, len(seq.ids))}
     rep = replay_tensor(seq) if replay else None
     if rep is not None:
         options["replay"] = rep
@@ -140,17 +148,16 @@ def shared_prefix(seqs: list[RLSequence]) -> int:
 class SharedPromptForward:
     """`logprobs(seq)` for the sequences of one group whose first `length` ids are the same: the
     prompt's forward once (`PrefixKV`), each sequence's suffix on top. With `grad`, call
-    `backward()` after every suffix's loss has been backpropagated. `checkpoint` (a bool, or a
-    length from which on a forward is checkpointed): activation checkpointing per block, as in
-    `sequence_logprobs`."""
+    `backward()` after every suffix's loss has been backpropagated. `checkpoint` (`checkpoints`):
+    activation checkpointing per block of the prefix's forward and of each suffix's, by its length."""
 
     def __init__(self, model: torch.nn.Module, seqs: list[RLSequence], length: int, grad: bool = True,
-                 checkpoint: bool | int = False):
+                 checkpoint: bool | int | None = False):
         self.model, self.length, self.grad = model, length, grad
         self.checkpoint = checkpoint
         self.cache = PrefixKV(len(model.layers))
         seq = seqs[0]
-        options: dict = {"logits": False, "cache": self.cache, "checkpoint": self._checkpoints(length)}
+        options: dict = {"logits": False, "cache": self.cache, "checkpoint": checkpoints(checkpoint, length)}
         rep = replay_tensor(seq)
         if rep is not None:
             options["replay"] = rep[:, :length]
@@ -159,10 +166,6 @@ class SharedPromptForward:
         with torch.set_grad_enabled(grad):
             model(torch.tensor([seq.ids[:length]], dtype=torch.long), **options)
         self.cache.freeze()
-
-    def _checkpoints(self, tokens: int) -> bool:
-        c = self.checkpoint
-        return bool(c) if isinstance(c, bool) else tokens >= c
 
     def logprobs(self, seq: RLSequence, temperature: float | None = None) -> torch.Tensor:
         p = self.length
@@ -173,7 +176,7 @@ class SharedPromptForward:
         pos = torch.tensor([i for i in range(1, len(seq.ids)) if seq.loss_mask[i]], dtype=torch.long)
         if int(pos.min()) - 1 < p:
             raise ValueError(f"a trained token at {int(pos.min())} is predicted from inside the shared prefix ({p})")
-        options: dict = {"logits": False, "cache": self.cache, "checkpoint": self._checkpoints(len(seq.ids) - p)}
+        options: dict = {"logits": False, "cache": self.cache, "checkpoint": checkpoints(self.checkpoint, len(seq.ids) - p)}
         rep = replay_tensor(seq)
         if rep is not None:
             options["replay"] = rep[:, p:]

@@ -34,8 +34,8 @@ class TrainerConfig:
     checkpoint_tokens: int | None = 1024
     """Forwards of at least this many tokens recompute each block's activations in the backward
     instead of keeping them (activation checkpointing; None: never). Without it the step's memory
-    grows by about 1.5 MB per token on SmolLM2-135M (6 GB for a 4,000-token rollout, measured), and
-    long agent rollouts OOM-killed a 24 GB machine; with it a forward keeps ~70 KB per token, for
+    grows by about 1.5 MB per token on SmolLM2-135M (5.6 GB for a 4,000-token rollout, measured), and
+    long agent rollouts OOM-killed a 24 GB machine; with it a forward keeps its blocks' inputs (~70 KB per token, computed), for
     one more forward of those sequences only (2,000 tokens, forward + backward: 19 s -> 22 s,
     measured once each; docs/rl.md)."""
 
@@ -61,13 +61,8 @@ class RLTrainer:
         if not self.config.share_prompt or len(firsts) < 2:
             return None
         n = shared_prefix(firsts)
-        return (SharedPromptForward(model, firsts, n, grad=grad, checkpoint=self._checkpoint_from)
+        return (SharedPromptForward(model, firsts, n, grad=grad, checkpoint=self.config.checkpoint_tokens)
                 if n > 0 else None)
-
-    @property
-    def _checkpoint_from(self) -> int | bool:
-        n = self.config.checkpoint_tokens
-        return False if n is None else n
 
     def _group_refs(self, group: list[Sample]) -> list[list[torch.Tensor]]:
         with torch.no_grad():
@@ -97,9 +92,8 @@ class RLTrainer:
             shared = self._shared(self.model, group, grad=True)
             for si, (s, a) in enumerate(zip(group, adv)):
                 for qi, seq in enumerate(s.sequences):
-                    ck = self._checkpoint_from
                     logp = (shared.logprobs(seq) if shared is not None and qi == 0
-                            else sequence_logprobs(self.model, seq, checkpoint=ck is not False and len(seq) >= ck))
+                            else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
                     ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
                     loss, st = token_loss(logp, sampled(seq), torch.tensor(a), cfg, logp_ref=ref)
                     loss.backward()
