@@ -6,7 +6,9 @@
 - train: one trainer step of SmolLM2-135M on a group of G=4 rollouts sharing a harness prompt (the
   system prompt with the tool schemas of the recipe's four tools and a task, rendered by our chat
   renderer; 150 completion tokens each, random ids), the shared prompt computed once against
-  every rollout computing it (TrainerConfig.share_prompt), with the KL reference forward on.
+  every rollout computing it (TrainerConfig.share_prompt), with the KL reference forward on; and
+  the shared-prompt step once more with the products on aten's `F.linear` instead of oneDNN
+  (`model/linear.py`).
 - sync: publishing a new version to the weight store and loading it on a replica (an XOR-delta
   zstd frame after one real Adam step at lr 1e-6, checksums verified) against a full safetensors
   save and load of the same state, and the bytes each writes.
@@ -80,17 +82,27 @@ def part_train(tmp: Path, rounds: int) -> dict:
     folder = smollm2(tmp)
     group, prompt_len = harness_group(folder)
     out = {"prompt_tokens": prompt_len, "completion_tokens": 150, "group_size": len(group)}
+    from opencomposer.model import linear
+
+    variants = {"shared prompt": (True, "onednn"), "every rollout": (False, "onednn"),
+                "shared prompt, products on aten": (True, "aten")}
     trainers = {name: RLTrainer(load_model(folder), ObjectiveConfig(group_size=4, kl_coef=0.001),
                                 TrainerConfig(lr=0.0, share_prompt=share))
-                for name, share in (("shared prompt", True), ("every rollout", False))}
+                for name, (share, _) in variants.items()}
     times: dict[str, list[float]] = {k: [] for k in trainers}
-    for _ in range(rounds):  # alternate, so the machine's noise falls on both
+    out["backend"] = linear.backend()
+    for _ in range(rounds):  # alternate, so the machine's noise falls on all
         for name, tr in trainers.items():
-            t = time.perf_counter()
-            tr.step([group])
-            times[name].append(time.perf_counter() - t)
+            before = linear.set_backend(variants[name][1])
+            try:
+                t = time.perf_counter()
+                tr.step([group])
+                times[name].append(time.perf_counter() - t)
+            finally:
+                linear.set_backend(before)
     out["seconds"] = {k: statistics.median(v) for k, v in times.items()}
     out["ratio"] = out["seconds"]["every rollout"] / out["seconds"]["shared prompt"]
+    out["ratio_backend"] = out["seconds"]["shared prompt, products on aten"] / out["seconds"]["shared prompt"]
     return out
 
 
@@ -184,8 +196,11 @@ def markdown(res: dict, cmd: str, note: str = "") -> str:
                   f"tokens after a {t['prompt_tokens']}-token harness prompt, KL reference on):", "",
                   "| | seconds per step |", "|---|---|",
                   f"| shared prompt once | {s['shared prompt']:.1f} |", f"| every rollout recomputes it | "
-                  f"{s['every rollout']:.1f} |", "", f"Ratio: **{t['ratio']:.2f}x** (exact: tests/unit/"
-                  "test_shared_prompt.py).", ""]
+                  f"{s['every rollout']:.1f} |",
+                  f"| shared prompt once, products on aten's `F.linear` | {s['shared prompt, products on aten']:.1f} |",
+                  "", f"Shared prompt against every rollout: **{t['ratio']:.2f}x** (exact: tests/unit/"
+                  f"test_shared_prompt.py). Products on {t['backend']} (`model/linear.py`) against aten: "
+                  f"**{t['ratio_backend']:.2f}x**.", ""]
     if "sync" in res:
         w = res["sync"]
         lines += ["**Weight sync** (SmolLM2-135M, one Adam step at lr 1e-6 between the versions):", "",

@@ -2,8 +2,9 @@
 plain `transformers` generate re-prefilling every turn; and raw decode against `transformers` and
 against this machine's roofline, measured in the same run.
 
-    .venv/bin/python benchmarks/rollouts.py [--rounds 3] [--episodes 8] [--concurrency 4] [--turn-tokens 32]
-                                            # writes "rollouts" in docs/benchmarks.md
+    .venv/bin/python benchmarks/rollouts.py [--part all|episodes|decode] [--rounds 3] [--episodes 8]
+                                            [--concurrency 4] [--turn-tokens 32]
+                                            # writes "rollouts" (episodes) and "rollouts-decode" in docs/benchmarks.md
 
 Episodes: the bundled benchmark's tasks (colorsys and graphlib bug fixes), the harness's default
 tool set and system prompt, real sandboxes, graded at the end. The base model stops after a turn,
@@ -19,9 +20,11 @@ the harness sends, and the same for all three:
   its episodes still run --concurrency at a time, so sandbox work overlaps).
 
 Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
-the first (prefill excluded) for ours and transformers. The bound: a decode step must read every
-weight once plus the batch's KV, and do 2 FLOPs per weight per row; with the memory bandwidth
-(a float32 sum over 512 MB) and FLOP/s (a 2048^3 float32 matmul) measured here, bound = B / max(bytes /
+the first (prefill excluded) for our engine with its products on oneDNN (the default,
+`model/linear.py`), the same engine on aten's `F.linear` (MKL here, what it ran on before), and
+transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
+FLOPs per weight per row; with the memory bandwidth (a float32 sum over 512 MB) and FLOP/s (the
+faster of aten's and oneDNN's 2048^3 float32 product) measured here, bound = B / max(bytes /
 bandwidth, flops / FLOP/s).
 """
 
@@ -43,11 +46,15 @@ BATCHES = (1, 8, 32)
 
 
 def machine_bound() -> tuple[float, float]:
-    """(bytes/s of a streaming read, float32 matmul FLOP/s) on the current torch threads."""
+    """(bytes/s of a streaming read, float32 matmul FLOP/s) on the current torch threads; the
+    FLOP/s of the faster of aten's (MKL) and oneDNN's product, since the bound is what the machine
+    can do, not what one library does."""
+    from opencomposer.model.linear import times_t
+
     x = torch.randn(128 * 1024 * 1024)
     bw = x.numel() * 4 / timed(lambda: x.sum(), 5)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    fl = 2 * 2048 ** 3 / timed(lambda: a @ b, 5)
+    fl = 2 * 2048 ** 3 / min(timed(lambda: a @ b, 5), timed(lambda: times_t(a, b), 5))
     return bw, fl
 
 
@@ -79,6 +86,7 @@ def hf_decode(model, prompts: torch.Tensor, new: int) -> float:
 def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]:
     import transformers
 
+    from opencomposer.model import linear
     from opencomposer.model.hf import load_model
 
     mine = load_model(folder).eval()
@@ -87,24 +95,37 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
     params = sum(p.numel() for p in mine.parameters())  # tied head: the embedding is read once, as the head
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     new, plen = 32, 64
-    res = {(impl, b): [] for impl in ("ours", "transformers") for b in BATCHES}
+    impls = ("ours", "ours on aten", "transformers")
+    res = {(impl, b): [] for impl in impls for b in BATCHES}
+
+    def ours(p, backend):
+        before = linear.set_backend(backend)
+        try:
+            return ours_decode(mine, p, new)
+        finally:
+            linear.set_backend(before)
+
     for r in range(rounds):
         g = torch.Generator().manual_seed(r)
         for b in BATCHES:
             prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
-            order = [("ours", lambda p=prompts: ours_decode(mine, p, new)),
+            order = [("ours", lambda p=prompts: ours(p, "onednn")),
+                     ("ours on aten", lambda p=prompts: ours(p, "aten")),
                      ("transformers", lambda p=prompts: hf_decode(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
-    lines = ["| batch | ours tok/s | transformers tok/s | ours / transformers | roofline bound tok/s | ours / bound |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"Our products ran on {linear.backend()} (`model/linear.py`); `ours on aten` is the same engine "
+             "on `F.linear`.", "",
+             "| batch | ours tok/s | ours on aten tok/s | transformers tok/s | ours / transformers | "
+             "roofline bound tok/s | ours / bound |",
+             "|---|---|---|---|---|---|---|"]
     for b in BATCHES:
-        o, h = statistics.median(res[("ours", b)]), statistics.median(res[("transformers", b)])
+        o, a, h = (statistics.median(res[(i, b)]) for i in impls)
         ctx = plen + new // 2
         step = max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
         bound = b / step
-        lines.append(f"| {b} | {o:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | **{o / bound:.2f}** |")
+        lines.append(f"| {b} | {o:.1f} | {a:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | **{o / bound:.2f}** |")
     return lines
 
 
@@ -178,48 +199,27 @@ def transformers_run(folder: Path, tasks: Path, args, out: Path) -> dict:
     return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"], "cached": 0, **counts}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--episodes", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--turn-tokens", type=int, default=32)
-    ap.add_argument("--skip-transformers", action="store_true", help="episodes: only cache on/off")
-    args = ap.parse_args()
-    import transformers
-
-    from opencomposer.model.interop import import_default
+def episodes_section(folder: Path, tmp: Path, args) -> list[str]:
     from opencomposer.tasks.builders.deletion import BuildConfig
     from opencomposer.tasks.default import DefaultBenchmarkConfig, build_default
 
-    transformers.logging.set_verbosity_error()
-    bw, fl = machine_bound()
-    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {fl / 1e9:.0f} GFLOP/s float32 matmul "
-          f"({torch.get_num_threads()} threads)", flush=True)
-    with tempfile.TemporaryDirectory(prefix="oc-bench-rollouts-") as tmp:
-        tmp = Path(tmp)
-        folder = import_default(tmp / "smol")
-        tasks = tmp / "tasks"
-        build_default(tasks, DefaultBenchmarkConfig(sources=("colorsys", "graphlib"),
-                                                    build=BuildConfig(max_single=4, max_multi=0)))
-        modes = ["cache on", "cache off"] + ([] if args.skip_transformers else ["transformers"])
-        runs: dict[str, list[dict]] = {m: [] for m in modes}
-        for r in range(args.rounds):
-            for m in modes if r % 2 == 0 else modes[::-1]:
-                out = tmp / f"run-{r}-{m.replace(' ', '-')}"
-                res = transformers_run(folder, tasks, args, out) if m == "transformers" else \
-                    served(folder, tasks, m == "cache on", args, out)
-                runs[m].append(res)
-                print(m, r, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
-        decode = decode_section(folder, args.rounds, bw, fl)
+    tasks = tmp / "tasks"
+    build_default(tasks, DefaultBenchmarkConfig(sources=("colorsys", "graphlib"),
+                                                build=BuildConfig(max_single=4, max_multi=0)))
+    modes = ["cache on", "cache off"] + ([] if args.skip_transformers else ["transformers"])
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            out = tmp / f"run-{r}-{m.replace(' ', '-')}"
+            res = transformers_run(folder, tasks, args, out) if m == "transformers" else \
+                served(folder, tasks, m == "cache on", args, out)
+            runs[m].append(res)
+            print(m, r, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
     eps = {m: statistics.median(x["episodes"] * 60 / x["seconds"] for x in v) for m, v in runs.items()}
-    cmd = " ".join(["benchmarks/rollouts.py", *sys.argv[1:]])
     n = runs["cache on"][0]["episodes"]
-    lines = ["## Rollout throughput on agent episodes (`benchmarks/rollouts.py`)", "",
-             f"Reproduce: `.venv/bin/python {cmd}` — {n} episodes of the bundled benchmark (five harness turns each: "
-             f"grep, read, edit, compile, answer, from each task's demonstration), {args.concurrency} in flight, "
-             f"SmolLM2-135M float32, up to {args.turn_tokens} greedy tokens per turn, {args.rounds} alternating "
-             f"rounds, medians; {torch.get_num_threads()} torch threads.", "",
+    lines = [f"{n} episodes of the bundled benchmark (five harness turns each: grep, read, edit, compile, answer, "
+             f"from each task's demonstration), {args.concurrency} in flight, SmolLM2-135M float32, up to "
+             f"{args.turn_tokens} greedy tokens per turn, {args.rounds} alternating rounds, medians.", "",
              "| policy | episodes / min | prompt tokens prefilled per episode | served from cache | tokens generated "
              "per episode | graded pass rate |", "|---|---|---|---|---|---|"]
     for m, v in runs.items():
@@ -230,13 +230,47 @@ def main() -> None:
         lines.append(f"| {m} | {eps[m]:.2f} | {pre:.0f} | {cached:.0%} | {gen:.0f} | {acc:.0%} |")
     lines += ["", f"Cache on / cache off: **{eps['cache on'] / eps['cache off']:.2f}x** episodes per minute (goal: 3x)"
               + (f"; cache on / transformers: **{eps['cache on'] / eps['transformers']:.2f}x**."
-                 if "transformers" in eps else "."), "",
-              f"Decode (64-token prompts, 32 greedy tokens, prefill excluded); this machine measured "
-              f"{bw / 1e9:.1f} GB/s streaming read and {fl / 1e9:.0f} GFLOP/s float32 matmul in the same run:", ""]
-    lines += decode
-    md = "\n".join(lines)
-    print(md)
-    write_section(ROOT / "docs" / "benchmarks.md", "rollouts", md)
+                 if "transformers" in eps else ".")]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("all", "episodes", "decode"), default="all")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true", help="episodes: only cache on/off")
+    args = ap.parse_args()
+    import transformers
+
+    from opencomposer.model.interop import import_default
+
+    transformers.logging.set_verbosity_error()
+    cmd = " ".join([".venv/bin/python benchmarks/rollouts.py", *sys.argv[1:]])
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="oc-bench-rollouts-") as tmp:
+        tmp = Path(tmp)
+        folder = import_default(tmp / "smol")
+        if args.part in ("all", "episodes"):
+            body = episodes_section(folder, tmp, args)
+            md = "\n".join(["## Rollout throughput on agent episodes (`benchmarks/rollouts.py --part episodes`)", "",
+                            f"Reproduce: `{cmd}` ({threads} torch threads).", "", *body])
+            print(md)
+            write_section(ROOT / "docs" / "benchmarks.md", "rollouts", md)
+        if args.part in ("all", "decode"):
+            bw, fl = machine_bound()
+            print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {fl / 1e9:.0f} GFLOP/s float32 matmul "
+                  f"({threads} threads)", flush=True)
+            body = decode_section(folder, args.rounds, bw, fl)
+            md = "\n".join(["## Decode against transformers and the roofline (`benchmarks/rollouts.py --part decode`)",
+                            "", f"Reproduce: `{cmd}` — SmolLM2-135M float32, 64-token prompts, 32 greedy tokens, prefill "
+                            f"excluded, {args.rounds} alternating rounds, medians; {threads} torch threads. This machine "
+                            f"measured {bw / 1e9:.1f} GB/s streaming read and {fl / 1e9:.0f} GFLOP/s float32 matmul in "
+                            "the same run.", "", *body])
+            print(md)
+            write_section(ROOT / "docs" / "benchmarks.md", "rollouts-decode", md)
 
 
 if __name__ == "__main__":

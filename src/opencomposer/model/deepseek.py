@@ -33,6 +33,7 @@ from opencomposer.model.layers import (
     init_weights,
     rope_tables,
 )
+from opencomposer.model.linear import Linear
 from opencomposer.model.moe import MoE
 
 
@@ -171,15 +172,15 @@ class MLAttention(nn.Module):
         self.cfg, self.layer = cfg, layer
         d, h = cfg.hidden_size, cfg.num_attention_heads
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=False)
         self.scale = cfg.qk_head_dim ** -0.5
 
     def forward(self, x, cos, sin, cache: KVCache | None, rows, mask):
@@ -230,7 +231,7 @@ class MTPModule(nn.Module):
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d, bias=False)
         self.block = Block(cfg, layer)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -247,7 +248,7 @@ class DeepseekModel(CausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg, cfg.num_hidden_layers + i) for i in range(cfg.num_nextn_predict_layers))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -13,6 +13,7 @@ from torch import nn
 
 from opencomposer.model.cache import KVCache, attend
 from opencomposer.model.errors import ModelLoadError
+from opencomposer.model.linear import Linear
 from opencomposer.model.layers import MLP, CausalLM, ForwardOut, RMSNorm, apply_rope, init_weights, rope_tables
 
 
@@ -64,10 +65,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
+        self.q_proj = Linear(d, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = Linear(d, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = Linear(d, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = Linear(cfg.num_attention_heads * hd, d, bias=False)
 
     def forward(self, x, cos, sin, cache: KVCache | None, rows, mask):
         b, t, _ = x.shape
@@ -105,7 +106,7 @@ class LlamaModel(CausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         init_weights(self)

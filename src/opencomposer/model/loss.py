@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from opencomposer.model.linear import times_t
+
 IGNORE = -100
 
 
@@ -64,12 +66,12 @@ class _FusedCrossEntropy(torch.autograd.Function):
             if not bool(ok.any()):
                 continue
             safe = lab.clamp(min=0)
-            g, logp = _softmax_logp(hc @ wf.T, safe)
+            g, logp = _softmax_logp(times_t(hc, wf), safe)
             total -= (logp * ok).sum()
             g[torch.arange(b - a), safe] -= 1.0  # d loss / d logits = softmax - onehot
             g *= (ok.float() / max(count, 1))[:, None]
-            gh[a:b] = g @ wf
-            gw.addmm_(g.T, hc)
+            gh[a:b] = times_t(g, wf.T)  # g @ wf
+            gw += times_t(g.T, hc.T)  # g.T @ hc
         ctx.save_for_backward(gh.to(h.dtype), gw.to(w.dtype))
         return total / max(count, 1)
 
@@ -93,7 +95,7 @@ class _TokenLogprobs(torch.autograd.Function):
         out = torch.empty(h.shape[0], dtype=torch.float32)
         wf = w.float()
         for a, b in _chunks(h.shape[0], w.shape[0]):
-            out[a:b] = _softmax_logp((h[a:b].float() @ wf.T) / temperature, targets[a:b])[1]
+            out[a:b] = _softmax_logp(times_t(h[a:b].float(), wf) / temperature, targets[a:b])[1]
         ctx.save_for_backward(h, w, targets)
         ctx.temperature = temperature
         return out
@@ -108,11 +110,11 @@ class _TokenLogprobs(torch.autograd.Function):
         gw = torch.zeros_like(w, dtype=torch.float32)
         for a, b in _chunks(h.shape[0], w.shape[0]):
             hc = h[a:b].float()
-            g = torch.softmax((hc @ wf.T) / t, dim=-1).neg_()  # d logp / d logits = onehot - softmax
+            g = torch.softmax(times_t(hc, wf) / t, dim=-1).neg_()  # d logp / d logits = onehot - softmax
             g[torch.arange(b - a), targets[a:b]] += 1.0
             g *= grad[a:b, None] / t
-            gh[a:b] = g @ wf
-            gw.addmm_(g.T, hc)
+            gh[a:b] = times_t(g, wf.T)
+            gw += times_t(g.T, hc.T)
         return gh.to(h.dtype), gw.to(w.dtype), None, None
 
 

@@ -1,0 +1,101 @@
+"""The matrix products of both model families on CPU: `x @ w.T` through oneDNN where torch ships it.
+
+Why not `F.linear`: on x86 torch's CPU build runs `F.linear` and `@` through MKL's sgemm, and on
+the AMD EPYC this project is developed on (AVX-512 with BF16, Zen 5) MKL runs them at about half
+of what oneDNN's float32 kernel does on the same tensors, for every shape that matters here
+(measured with `benchmarks/rollouts.py`'s decode and on single products: 2x for 1536 x 576 at
+1-1,024 rows, 2-3.8x for SmolLM2's 49,152-row vocabulary head). oneDNN ships inside torch
+(`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU backend calls), computes in float32
+with float32 accumulation, and is used with the weights as they are (no packed copy), so an
+in-flight weight update or an optimizer step is seen at once.
+
+`linear(x, w)` takes that path when it applies (CPU, float32 tensors, a plain tensor or
+Parameter, no autocast) and `F.linear` otherwise: GPU tensors, bf16, FSDP2's DTensors and autocast
+regions never see it. Under autograd a small Function computes the backward's two products through
+the same kernel. `OPENCOMPOSER_LINEAR=aten` (read at import) or `set_backend("aten")` turns it off,
+for comparison (`benchmarks/rollouts.py --part decode` measures both in one run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _onednn_op():
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):  # a torch without the op: F.linear everywhere
+        return None
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+_OP = _onednn_op() if os.environ.get("OPENCOMPOSER_LINEAR", "onednn") != "aten" else None
+
+
+def backend() -> str:
+    """"onednn" or "aten": what a float32 CPU product in this process runs on."""
+    return "aten" if _OP is None else "onednn"
+
+
+def set_backend(name: str) -> str:
+    """Use "onednn" (where torch has it; otherwise this stays "aten") or "aten" from now on, in
+    this process; returns the backend before."""
+    global _OP
+    if name not in ("onednn", "aten"):
+        raise ValueError(f"unknown linear backend {name!r} (onednn or aten)")
+    before = backend()
+    _OP = _onednn_op() if name == "onednn" else None
+    return before
+
+
+def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (_OP is not None and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+            and w.device.type == "cpu" and type(x) in _PLAIN and type(w) in _PLAIN
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def times_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T without autograd (x (..., K), w (N, K), either may be a strided view)."""
+    if _eligible(x, w):
+        return _OP(x, w, None, "none", [], "")
+    return x @ w.T
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _OP(x, w, None, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = _OP(g, w.t(), None, "none", [], "")  # g @ w
+        if ctx.needs_input_grad[1]:
+            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+            gw = _OP(g2.t(), x2.t(), None, "none", [], "")  # g2.T @ x2
+        return gx, gw
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), through oneDNN where it applies (module docstring)."""
+    if bias is not None or not _eligible(x, w):
+        return F.linear(x, w, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _Linear.apply(x, w)
+    return _OP(x, w, None, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same state-dict names) whose product is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,96 @@
+"""The oneDNN product path (`model/linear.py`): the same numbers as `F.linear` (float32 rounding
+apart), forward and both gradients, and only where it applies."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opencomposer.model import linear as lin
+from opencomposer.model.llama import PRESETS, LlamaModel
+from opencomposer.model.loss import cross_entropy, token_logprobs
+
+needs_onednn = pytest.mark.skipif(lin._onednn_op() is None, reason="this torch has no oneDNN linear op")
+
+
+@pytest.fixture
+def onednn():
+    before = lin.set_backend("onednn")
+    yield
+    lin.set_backend(before)
+
+
+def _close(a, b, rel=1e-5):
+    assert (a - b).abs().max().item() <= rel * max(1.0, b.abs().max().item()), (a - b).abs().max().item()
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(5, 96), (3, 7, 96), "strided"])
+def test_forward_and_gradients_match_f_linear(onednn, shape):
+    g = torch.Generator().manual_seed(0)
+    if shape == "strided":  # a transposed view, as attention's output reshape can hand over
+        x0 = torch.randn(7, 3, 96, generator=g).transpose(0, 1)
+    else:
+        x0 = torch.randn(*shape, generator=g)
+    w0 = torch.randn(80, 96, generator=g)
+    up = torch.randn(*x0.shape[:-1], 80, generator=g)
+    outs = []
+    for fn in (lin.linear, F.linear):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w)
+        y.backward(up)
+        outs.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*outs):
+        _close(a, b)
+
+
+@needs_onednn
+def test_model_and_losses_agree_across_backends(onednn):
+    torch.manual_seed(0)
+    model = LlamaModel(PRESETS["tiny"])
+    ids = torch.randint(0, 512, (2, 33))
+    res = {}
+    for name in ("onednn", "aten"):
+        lin.set_backend(name)
+        model.zero_grad()
+        h = model(ids, logits=False).hidden
+        lp = token_logprobs(h[:, :-1], model.lm_head.weight, ids[:, 1:], 0.7)
+        ce = cross_entropy(h[:, :-1], model.lm_head.weight, ids[:, 1:])
+        (lp.sum() + ce).backward()
+        res[name] = (lp.detach(), ce.detach(), [p.grad.clone() for p in model.parameters()])
+    _close(res["onednn"][0], res["aten"][0])
+    _close(res["onednn"][1], res["aten"][1])
+    for a, b in zip(res["onednn"][2], res["aten"][2]):
+        _close(a, b, 1e-4)
+
+
+class FakeOp:
+    """A fake oneDNN op (unit test only): records that it was called, then computes x @ w.T."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x, w, *_):
+        self.calls += 1
+        return x @ w.T
+
+
+def test_only_float32_cpu_outside_autocast_takes_the_path(monkeypatch):
+    fake = FakeOp()
+    monkeypatch.setattr(lin, "_OP", fake)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    lin.linear(x, w)
+    assert fake.calls == 1
+    lin.linear(x.double(), w.double())
+    lin.linear(x.bfloat16(), w.bfloat16())
+    lin.linear(x, w, torch.zeros(6))  # a bias: F.linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin.linear(x, w)
+    assert y.dtype == torch.bfloat16 and fake.calls == 1
+    monkeypatch.setattr(lin, "_OP", None)  # the aten backend
+    lin.linear(x, w)
+    assert fake.calls == 1
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        lin.set_backend("mkl")
