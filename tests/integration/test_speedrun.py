@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 BIN = [sys.executable, "-m", "opencomposer.cli"]
-RECIPE = ["agent_base", "cpt", "sft", "agent_sft", "rl", "agent_rl"]
+RECIPE = ["agent_base", "cpt", "sft", "agent_sft", "rl", "agent_rl", "agent_control"]
+AGENT = ("agent_base", "agent_sft", "agent_rl", "agent_control")
 SMOKE_LIMIT_S = 1500
 """The preset takes ~5 minutes alone; the limit holds on a 2-core machine running another job."""
 
@@ -53,7 +54,7 @@ def test_smoke_runs_the_recipe(smoke):
     assert not [e for e in ev if e[0] == "stage_failed"]
     cfg = json.loads((smoke / "config.json").read_text())
     k, n = cfg["agent_eval"]["samples"], cfg["agent_eval"]["max_tasks"]
-    for stage in ("agent_base", "agent_sft", "agent_rl"):
+    for stage in AGENT:
         s = json.loads((smoke / stage / "summary.json").read_text())
         assert s["episodes"] == k * n and s["infra_errors"] == 0 and s["split"] == "held_out", stage
         assert s["accuracy_ci95"][0] <= s["accuracy"] <= s["accuracy_ci95"][1]
@@ -63,6 +64,11 @@ def test_smoke_runs_the_recipe(smoke):
     base, after_sft = (json.loads((smoke / s / "summary.json").read_text())["model"]
                        for s in ("agent_base", "agent_sft"))
     assert base.endswith("smollm2-135m-instruct") and after_sft.endswith("sft/model")
+    # the lr = 0 control is the SFT weights evaluated again with the same seeds; one episode at a
+    # time, the engine's batches are the same too, so it repeats agent_sft's numbers exactly
+    control = json.loads((smoke / "agent_control" / "summary.json").read_text())
+    assert control["model"] == after_sft
+    assert numbers(smoke)["agent_control"] == numbers(smoke)["agent_sft"]
     sft = json.loads((smoke / "sft" / "summary.json").read_text())
     demos = json.loads((smoke / "sft" / "demonstrations" / "summary.json").read_text())
     assert demos["split"] == "train" and demos["accuracy"] == 1.0 and sft["examples"] >= 2
@@ -113,7 +119,7 @@ def test_report_card_in_a_browser(smoke):
     for src, value in numbers:
         assert json.loads(html.unescape(value)) == lookup(smoke, html.unescape(src)), src
     srcs = {s for s, _ in numbers}
-    for stage in ("agent_base", "agent_sft", "agent_rl"):
+    for stage in AGENT:
         assert f"{stage}/summary.json#accuracy" in srcs and f"{stage}/summary.json#best_of_k" in srcs
     assert dom.count("final diff") >= 3  # trajectories rendered, one or more per agent stage
 
@@ -121,7 +127,7 @@ def test_report_card_in_a_browser(smoke):
 def numbers(run: Path) -> dict:
     """What the report card says, minus wall times and paths."""
     out = {}
-    for stage in ("agent_base", "agent_sft", "agent_rl"):
+    for stage in AGENT:
         s = json.loads((run / stage / "summary.json").read_text())
         out[stage] = {k: s[k] for k in ("accuracy", "accuracy_ci95", "best_of_k", "pass@1", "mean_turns",
                                         "mean_completion_tokens", "mean_tool_calls", "tool_mix", "per_task")}
@@ -142,7 +148,8 @@ def test_killed_mid_stage_and_resumed_ends_with_the_same_numbers(smoke, tmp_path
     def link_weights(src, dst):  # finished stages' weights are only read again: links, not 1.5 GB of copies
         return os.link(src, dst) if src.endswith(".safetensors") else shutil.copy2(src, dst)
 
-    shutil.copytree(smoke, run, ignore=shutil.ignore_patterns("agent_sft", "rl", "agent_rl", "report.*"),
+    shutil.copytree(smoke, run, ignore=shutil.ignore_patterns("agent_sft", "rl", "agent_rl", "agent_control",
+                                                                   "report.*"),
                     copy_function=link_weights)
     ev = events(run)
     cut = next(i for i, e in enumerate(ev) if e["event"] == "stage_start" and e["stage"] == "agent_sft")

@@ -135,7 +135,8 @@ def sft_section(s: dict) -> list[str]:
             "there are some, else on the training ones).", ""]
 
 
-AGENT_STAGES = {"agent_base": "base", "agent_sft": "after CPT + SFT", "agent_rl": "after RL"}
+AGENT_STAGES = {"agent_base": "base", "agent_sft": "after CPT + SFT", "agent_rl": "after RL",
+                "agent_control": "control: RL at lr 0 (the SFT weights, same seeds)"}
 
 
 def _pct(x) -> str:

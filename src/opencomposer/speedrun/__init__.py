@@ -36,15 +36,21 @@ from opencomposer.inference import stage as inference_stage
 from opencomposer.model import stage as model_stage
 from opencomposer.rl import stage as rl_stage
 from opencomposer.sandbox import stage as sandbox_stage
-from opencomposer.speedrun.agent import AgentEvalConfig, AgentSettings, run_agent_eval, run_demonstrations
+from opencomposer.speedrun.agent import (
+    AgentControlConfig,
+    AgentEvalConfig,
+    AgentSettings,
+    run_agent_eval,
+    run_demonstrations,
+)
 from opencomposer.train import precision
 from opencomposer.train import stage as train_stage
 
 log = logging.getLogger(__name__)
 
 CHECKS = ("sandbox", "harness", "evals", "model", "inference", "kernels")
-RECIPE = ("agent_base", "cpt", "sft", "agent_sft", "rl", "agent_rl")
-RESUMES_ITSELF = {"agent_base", "agent_sft", "agent_rl", "rl", "evals"}
+RECIPE = ("agent_base", "cpt", "sft", "agent_sft", "rl", "agent_rl", "agent_control")
+RESUMES_ITSELF = {"agent_base", "agent_sft", "agent_rl", "agent_control", "rl", "evals"}
 """Stages that continue from their own files after a kill (eval results, RL checkpoints, a
 complete task build); every other unfinished stage's folder is cleared and the stage starts over."""
 
@@ -81,6 +87,8 @@ class SpeedrunConfig:
     cpt: train_stage.CPTStageConfig = field(default_factory=train_stage.CPTStageConfig)
     sft: train_stage.SFTStageConfig = field(default_factory=train_stage.SFTStageConfig)
     rl: rl_stage.RLStageConfig = field(default_factory=rl_stage.RLStageConfig)
+    agent_control: AgentControlConfig = field(default_factory=AgentControlConfig)
+    """Off by default: the lr = 0 control's agent eval (`AgentControlConfig`)."""
     kernels: precision.KernelsStageConfig = field(default_factory=precision.KernelsStageConfig)
 
 
@@ -243,8 +251,10 @@ def run_stage(name: str, cfg: SpeedrunConfig, run_dir: RunDir, metrics: MetricsW
         task = bar.add_task("kernels: formats vs float64, a MoE per backend",
                             total=cfg.kernels.steps * len(cfg.kernels.backends))
         precision.run(cfg.kernels, run_dir, metrics, progress=lambda: bar.advance(task))
-    elif name in ("agent_base", "agent_sft", "agent_rl"):
-        model = base_model(cfg, run_dir) if name == "agent_base" else root / name.removeprefix("agent_") / "model"
+    elif name in ("agent_base", "agent_sft", "agent_rl", "agent_control"):
+        # the control evaluates the SFT weights: what RL at lr 0 would export (AgentControlConfig)
+        model = base_model(cfg, run_dir) if name == "agent_base" else \
+            root / {"agent_control": "sft"}.get(name, name.removeprefix("agent_")) / "model"
         if not (tasks / "manifest.json").exists():
             raise FileNotFoundError(f"{name}: no task family at {tasks} (did the evals stage fail?)")
         task = bar.add_task(f"{name}: the served model through the harness, held out", total=None)

@@ -42,6 +42,17 @@ class AgentEvalConfig:
     concurrency: int = 2
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentControlConfig:
+    """`agent_control`: the lr = 0 control of RL (issue 13's proof). RL at learning rate 0 computes
+    every gradient and changes no weight, bit for bit (`tests/unit/test_rl_trainer.py`), so what
+    such a run would export is the SFT model itself, and its agent eval, with the same seeds, is
+    this stage: the SFT model evaluated once more, exactly as `agent_rl` evaluates RL's model. The
+    difference from `agent_sft` is then the noise of evaluating one policy twice (the engine's
+    batches differ with concurrent episodes), which is what a rise after RL must clear."""
+    enabled: bool = False
+
+
 def harness(agent: AgentSettings):
     from opencomposer.rl.loop import harness_config
 

@@ -1,0 +1,43 @@
+"""The RL trainer's lr = 0 control: a step at learning rate 0 computes the whole gradient and
+changes no weight, bit for bit. That is why the speedrun's control stage evaluates the SFT weights
+again instead of running RL at lr 0 for half an hour (docs/rl.md): what such a run exports is the
+SFT model itself."""
+
+import copy
+
+import pytest
+import torch
+
+from opencomposer.model.llama import LlamaConfig, LlamaModel
+from opencomposer.rl.objective import ObjectiveConfig
+from opencomposer.rl.rollout import Sample
+from opencomposer.rl.sequences import RLSequence
+from opencomposer.rl.trainer import RLTrainer, TrainerConfig
+
+
+def samples(vocab: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (20,), generator=g).tolist()
+    out = []
+    for i, reward in enumerate((1.0, 0.0, 0.0, 1.0)):
+        comp = torch.randint(0, vocab, (6 + i,), generator=g).tolist()
+        seq = RLSequence(ids=prompt + comp, loss_mask=[0] * 20 + [1] * len(comp),
+                         logprobs=[-1.0] * (20 + len(comp)), versions=[0] * (20 + len(comp)),
+                         sampling={"temperature": 1.0})
+        out.append(Sample(id=f"s{i}", group=0, index=i, task="t", reward=reward, sequences=[seq],
+                          trained_tokens=len(comp)))
+    return out
+
+
+@pytest.mark.parametrize("lr", [0.0, 1e-3])
+def test_a_step_at_lr_0_changes_no_weight(lr):
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    before = copy.deepcopy(model.state_dict())
+    trainer = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.01), TrainerConfig(lr=lr))
+    for _ in range(3):
+        stats = trainer.step([samples(200)])
+        assert stats["grad_norm"] > 0 and stats["trained_tokens"] > 0  # a real gradient each step
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert (changed == []) if lr == 0 else len(changed) == len(before)
