@@ -328,3 +328,53 @@ def test_a_time_budget_ends_the_run_at_a_step_boundary(family, tmp_path):
     summary = Run(cfg, tmp_path / "run").run()
     assert summary["version"] == 1 and "time budget" in summary["stopped"]  # the first step, then no more
     assert (tmp_path / "run" / "model" / "config.json").exists()
+
+
+def _ray_rollout_workers() -> list[int]:
+    """Pids of Ray worker processes running a rollout now (Ray titles a busy worker ray::<task>)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "cmdline").read_bytes().startswith(b"ray::_ray_rollout"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.timeout(1200)
+def test_the_ray_backend_runs_the_loop_and_replaces_what_dies(family, tmp_path, monkeypatch):
+    """`services = "ray"` on a local Ray cluster: the replica is a Ray actor's process, rollouts
+    and held-out evaluations are Ray tasks. The replica's actor is killed after the first step and
+    a Ray worker in a rollout after the second; both are replaced, nothing is trained twice."""
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = dataclasses.replace(config(family, LR, steps=3), eval_samples=4, max_inflight_groups=2, epochs=6,
+                              max_attempts=3, services="ray")
+    run = Run(cfg, tmp_path / "run")
+    killed = []
+
+    def kill_services(rec):
+        if rec["step"] == 1:
+            run.replica.kill()
+        if rec["step"] == 2:
+            deadline = time.monotonic() + 120
+            while not (busy := _ray_rollout_workers()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert busy, "no Ray worker was rolling out"
+            os.kill(busy[0], signal.SIGKILL)
+            killed.append(busy[0])
+
+    run.progress = kill_services
+    summary = run.run()
+    assert summary["version"] == 3 and summary["trained_groups"] == 3
+    assert summary["eval_start"]["episodes"] == 4 and summary["eval_end"]["version"] == 3
+    events = check_invariants(tmp_path / "run", 3)
+    assert [e["services"] for e in events if e["kind"] == "run_started"] == ["ray"]
+    assert any(e["kind"] == "replica_restarted" for e in events)
+    assert killed and any(e["kind"] == "worker_replaced" and "WorkerCrashed" in e["reason"] for e in events)
+    import ray
+
+    assert not ray.is_initialized()  # the local cluster it started is shut down with the loop
+    assert not _ray_rollout_workers()

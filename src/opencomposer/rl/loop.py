@@ -49,7 +49,7 @@ from opencomposer.rl.events import EventLog, read_events
 from opencomposer.rl.objective import ObjectiveConfig
 from opencomposer.rl.rewards import RewardConfig
 from opencomposer.rl.rollout import Sample, run_rollout
-from opencomposer.rl.services import Replica, ReplicaProcess, Workers, evaluate
+from opencomposer.rl.services import RayReplica, Replica, ReplicaProcess, Workers, evaluate, ray_shutdown
 from opencomposer.rl.trainer import RLTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,11 @@ class RLConfig:
     eval_samples: int = 4
     slots: int = 8
     max_len: int | None = None
-    services: Literal["processes", "threads"] = "processes"
+    services: Literal["processes", "threads", "ray"] = "processes"
     """Where the replica, the rollout workers and the evaluator run (`rl/services.py`): processes
-    of their own that talk to the driver over HTTP and the weight store, or threads of the driver."""
+    of their own that talk to the driver over HTTP and the weight store, threads of the driver, or
+    Ray (an actor for the replica, tasks for rollouts and evaluations; `RAY_ADDRESS` or a local
+    cluster)."""
 
 
 def agent_config(cfg: RLConfig) -> AgentConfig:
@@ -194,8 +196,9 @@ class Run:
     def _replica(self) -> Replica:
         cfg = self.cfg
         kw = dict(slots=cfg.slots, max_len=cfg.max_len, turn_tokens=cfg.turn_tokens)
-        if cfg.services == "processes":
-            return ReplicaProcess(cfg.model, self.store_url, self.events, log_dir=self.out / "services", **kw).start()
+        if cfg.services in ("processes", "ray"):
+            kind = RayReplica if cfg.services == "ray" else ReplicaProcess
+            return kind(cfg.model, self.store_url, self.events, log_dir=self.out / "services", **kw).start()
         return Replica(cfg.model, self.store_url, self.events, **kw).start()
 
     def run(self) -> dict:
@@ -301,6 +304,8 @@ class Run:
             replica.stop()
             if pool is not None:
                 pool.close()
+            if cfg.services == "ray":
+                ray_shutdown()
             self.metrics.close()
         summary.update(version=self.version, trained_groups=len(self.trained), failed_groups=len(self.failed_groups))
         self.events.record("run_finished", **{k: v for k, v in summary.items() if k != "steps"})

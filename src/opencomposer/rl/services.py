@@ -10,8 +10,13 @@ evaluator turns (eval config, policy URL) into a summary — so where they run i
   the pool: the pool is replaced and every sample it held is rolled out again (`worker_replaced`).
 - `threads`: the same services as threads of the driver (tests that reach into a replica's engine
   or patch a worker use it).
-
-A Ray backend takes over the same four calls (start a replica, submit a rollout, evaluate, stop).
+- `ray`: the same four calls (start a replica, submit a rollout, evaluate, stop) on Ray: the
+  replica is `opencomposer serve` started by a Ray actor on whichever node Ray places it, serving
+  on that node's address; a rollout is a Ray task (no retries: a crashed worker fails its future,
+  and the loop re-queues the sample and records `worker_replaced`, as with processes); an
+  evaluation is a Ray task. The cluster is the one `RAY_ADDRESS` names, or a local one started
+  here and shut down with the loop. Every node needs this package and the task folders (shared
+  storage); the weight store is an fsspec URL every node can read. Measured on one node only.
 """
 
 from __future__ import annotations
@@ -99,9 +104,10 @@ class ReplicaProcess(Replica):
 
     START_TIMEOUT_S = 600.0
 
-    def __init__(self, *args, log_dir: Path, **kw):
+    def __init__(self, *args, log_dir: Path, host: str = "127.0.0.1", **kw):
         super().__init__(*args, **kw)
         self.log_dir = Path(log_dir)
+        self.host = host
         self.proc: subprocess.Popen | None = None
         self._url = ""
         self._health: dict = {}
@@ -113,7 +119,7 @@ class ReplicaProcess(Replica):
         os.close(fd)
         os.unlink(ready)
         cmd = [sys.executable, "-m", "opencomposer.cli", "serve", "--model", str(self.model), "--name", "policy",
-               "--port", "0", "--slots", str(self.slots), "--weights", self.store_url,
+               "--host", self.host, "--port", "0", "--slots", str(self.slots), "--weights", self.store_url,
                f"--ready_file={json.dumps(ready)}", f"--default_max_tokens={self.turn_tokens}"]
         if self.max_len:
             cmd += ["--max-len", str(self.max_len)]
@@ -283,13 +289,17 @@ class Workers:
         self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # future -> its executor
 
     def _make(self):
+        if self.backend == "ray":
+            return _RayTasks()
         if self.backend == "processes":
             return ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("spawn"),
                                        initializer=_init_worker, initargs=(2,))
         return ThreadPoolExecutor(self.count, thread_name_prefix="rollout")
 
     def submit(self, task, sample, policy_config, agent, rewards, traj_dir: Path) -> Future:
-        if self.backend == "processes":
+        if self.backend == "ray":
+            fut = self._executor.submit(str(task.root), sample, policy_config, agent, rewards, str(traj_dir))
+        elif self.backend == "processes":
             fut = self._executor.submit(rollout_job, str(task.root), sample, policy_config, agent, rewards,
                                         str(traj_dir))
         else:
@@ -302,8 +312,9 @@ class Workers:
 
     @staticmethod
     def broke(error: BaseException) -> bool:
-        """The worker process died (killed, out of memory): the whole pool is gone with it."""
-        return isinstance(error, BrokenProcessPool)
+        """The worker process died (killed, out of memory): with processes the whole pool is gone
+        with it; with Ray only that task's worker (Ray starts another for the next task)."""
+        return isinstance(error, BrokenProcessPool) or _ray_worker_died(error)
 
     def broken_by(self, fut: Future) -> bool:
         """Whether `fut` ran on the current pool (the first of a dead pool's futures to be seen
@@ -317,6 +328,9 @@ class Workers:
         self.replaced += 1
 
     def _shutdown(self, executor, grace_s: float = 30.0) -> None:
+        if isinstance(executor, _RayTasks):
+            executor.shutdown()
+            return
         if not isinstance(executor, ProcessPoolExecutor):
             executor.shutdown(wait=True, cancel_futures=True)
             return
@@ -342,7 +356,16 @@ class Workers:
 
 
 def evaluate(ecfg, url: str, model: str, out: Path, backend: str, timeout_s: float) -> dict:
-    """Run a held-out evaluation against a replica's URL: in its own process, or in this one."""
+    """Run a held-out evaluation against a replica's URL: in its own process, a Ray task, or in
+    this one."""
+    if backend == "ray":
+        ray = ray_runtime()
+        ref = ray.remote(num_cpus=0, max_retries=0)(evaluation_job).remote(ecfg, url, model, str(out))
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            raise ServiceError(f"the evaluation did not finish within {timeout_s:.0f} s") from None
     if backend != "processes":
         return evaluation_job(ecfg, url, model, str(out))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent) as ex:
@@ -353,3 +376,129 @@ def evaluate(ecfg, url: str, model: str, out: Path, backend: str, timeout_s: flo
             for p in list((getattr(ex, "_processes", None) or {}).values()):
                 p.kill()
             raise ServiceError(f"the evaluation did not finish within {timeout_s:.0f} s") from None
+
+
+# -- the Ray backend ----------------------------------------------------------------------------------
+_RAY_STARTED = False
+"""Whether this process started the local Ray cluster it uses (and so shuts it down)."""
+
+
+def ray_runtime():
+    """Ray, connected: to the cluster `RAY_ADDRESS` names, or to a local one started here."""
+    global _RAY_STARTED
+    try:
+        import ray
+    except ImportError as e:
+        raise ServiceError('services = "ray" needs Ray: pip install "opencomposer[ray]"') from e
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or None
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 configure_logging=False)
+        _RAY_STARTED = address is None
+    return ray
+
+
+def ray_shutdown() -> None:
+    """Stop the local Ray cluster this process started (a cluster it joined stays up)."""
+    global _RAY_STARTED
+    if _RAY_STARTED:
+        import ray
+
+        ray.shutdown()
+        _RAY_STARTED = False
+
+
+def _ray_worker_died(error: BaseException) -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    return isinstance(error, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+                              ray.exceptions.OutOfMemoryError))
+
+
+def _ray_rollout(task_root: str, sample, policy_config, agent, rewards, traj_dir: str):
+    """A rollout as a Ray task: the worker process makes its sandbox pool on first use."""
+    global _POOL
+    if _POOL is None:
+        from opencomposer.sandbox.pool import PoolConfig, SandboxPool
+
+        _POOL = SandboxPool(PoolConfig(max_concurrent=2, max_load_per_cpu=None))
+    return rollout_job(task_root, sample, policy_config, agent, rewards, traj_dir)
+
+
+class _RayTasks:
+    """The Ray backend's rollout executor: each rollout a Ray task whose result is a Future.
+    num_cpus=0: a rollout mostly waits on the policy's HTTP answers, and the reconciler already
+    bounds how many run at once (`workers`); Ray's CPU count would cap them at the core count."""
+
+    def __init__(self):
+        self.ray = ray_runtime()
+        self.remote = self.ray.remote(num_cpus=0, max_retries=0)(_ray_rollout)
+        self.refs: dict = {}
+
+    def submit(self, *args) -> Future:
+        ref = self.remote.remote(*args)
+        fut = ref.future()
+        self.refs[fut] = ref
+        fut.add_done_callback(lambda f: self.refs.pop(f, None))
+        return fut
+
+    def shutdown(self) -> None:
+        for ref in list(self.refs.values()):
+            self.ray.cancel(ref, force=True)  # the worker process dies; the sandbox reaper collects its sandbox
+        self.refs.clear()
+
+
+class _ReplicaHost:
+    """The Ray actor that starts a replica process on its node and serves on the node's address."""
+
+    def __init__(self, model: str, store_url: str, log_dir: str, slots: int, max_len, turn_tokens: int):
+        import ray
+
+        self.rep = ReplicaProcess(Path(model), store_url, None, slots=slots, max_len=max_len, turn_tokens=turn_tokens,
+                                  log_dir=Path(log_dir), host=ray.util.get_node_ip_address()).start()
+
+    def url(self) -> str:
+        return self.rep.url
+
+    def stop(self) -> None:
+        self.rep.stop()
+
+
+class RayReplica(ReplicaProcess):
+    """An inference replica that a Ray actor runs; the driver reads its version and refusals from
+    its /health over HTTP, as for `ReplicaProcess`."""
+
+    def start(self) -> RayReplica:
+        ray = ray_runtime()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        host = ray.remote(num_cpus=0, max_restarts=0)(_ReplicaHost)
+        self.actor = host.remote(str(self.model), self.store_url, str(self.log_dir), self.slots, self.max_len,
+                                 self.turn_tokens)
+        try:
+            self._url = ray.get(self.actor.url.remote(), timeout=self.START_TIMEOUT_S)
+        except Exception as e:
+            ray.kill(self.actor)
+            raise ServiceError(f"the Ray replica did not serve: {type(e).__name__}: {e}"[:2000]) from e
+        return self
+
+    def alive(self) -> bool:
+        return getattr(self, "actor", None) is not None and self.health(max_age_s=0.0).get("status") == "ok"
+
+    def kill(self) -> None:
+        """What a crash looks like (tests): the actor's process dies, and its replica with it."""
+        import ray
+
+        ray.kill(self.actor)
+
+    def stop(self) -> None:
+        import ray
+
+        if getattr(self, "actor", None) is None:
+            return
+        try:
+            ray.get(self.actor.stop.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - an actor that is already gone has nothing left to stop
+            pass
+        ray.kill(self.actor)
+        self.actor = None
