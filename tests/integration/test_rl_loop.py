@@ -374,6 +374,9 @@ def test_the_ray_backend_runs_the_loop_and_replaces_what_dies(family, tmp_path, 
     assert [e["services"] for e in events if e["kind"] == "run_started"] == ["ray"]
     assert any(e["kind"] == "replica_restarted" for e in events)
     assert killed and any(e["kind"] == "worker_replaced" and "WorkerCrashed" in e["reason"] for e in events)
+    # only the killed rollout failed: the others on the cluster went on
+    assert [e for e in events if e["kind"] == "failed" and "worker died" in e["reason"]] == \
+        [e for e in events if e["kind"] == "failed" and "WorkerCrashed" in e["reason"]]
     import ray
 
     assert not ray.is_initialized()  # the local cluster it started is shut down with the loop

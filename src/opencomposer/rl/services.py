@@ -322,9 +322,12 @@ class Workers:
         return self._of.pop(fut, None) is self._executor
 
     def replace(self) -> None:
-        """A new pool after a dead one (its futures have all failed; their samples are re-queued)."""
-        self._shutdown(self._executor)
-        self._executor = self._make()
+        """A new pool after a dead one (its futures have all failed; their samples are re-queued).
+        On Ray only the dead task's worker is gone and Ray starts another by itself: the other
+        rollouts go on."""
+        if self.backend != "ray":
+            self._shutdown(self._executor)
+            self._executor = self._make()
         self.replaced += 1
 
     def _shutdown(self, executor, grace_s: float = 30.0) -> None:
