@@ -1,9 +1,9 @@
 """The matrix products of both model families on CPU: `x @ w.T` through oneDNN where torch ships it.
 
 Why not `F.linear`: on x86 torch's CPU build runs `F.linear` and `@` through MKL's sgemm, and on
-the AMD EPYC this project is developed on (AVX-512 with BF16, Zen 5) MKL runs them at about half
-of what oneDNN's float32 kernel does on the same tensors, for every shape that matters here
-(measured with `benchmarks/rollouts.py`'s decode and on single products: 2x for 1536 x 576 at
+the AMD EPYC this project is developed on (AVX-512 with BF16) MKL runs them at about half of what
+oneDNN's float32 kernel does on the same tensors, for every shape that matters here (decode in
+`benchmarks/rollouts.py --part decode`; single products in scratch runs: 2x for 1536 x 576 at
 1-1,024 rows, 2-3.8x for SmolLM2's 49,152-row vocabulary head). oneDNN ships inside torch
 (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU backend calls), computes in float32
 with float32 accumulation, and is used with the weights as they are (no packed copy), so an
@@ -60,28 +60,31 @@ def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on oneDNN (no bias, no fused activation)."""
+    return _OP(x, w, None, "none", [], "")
+
+
 def times_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T without autograd (x (..., K), w (N, K), either may be a strided view)."""
-    if _eligible(x, w):
-        return _OP(x, w, None, "none", [], "")
-    return x @ w.T
+    return _product(x, w) if _eligible(x, w) else x @ w.T
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        return _OP(x, w, None, "none", [], "")
+        return _product(x, w)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = _OP(g, w.t(), None, "none", [], "")  # g @ w
+            gx = _product(g, w.t())  # g @ w
         if ctx.needs_input_grad[1]:
             g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-            gw = _OP(g2.t(), x2.t(), None, "none", [], "")  # g2.T @ x2
+            gw = _product(g2.t(), x2.t())  # g2.T @ x2
         return gx, gw
 
 
@@ -91,7 +94,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return F.linear(x, w, bias)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _Linear.apply(x, w)
-    return _OP(x, w, None, "none", [], "")
+    return _product(x, w)
 
 
 class Linear(nn.Linear):

@@ -238,12 +238,17 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def _init_worker(max_concurrent: int) -> None:
+def _worker_pool(max_concurrent: int):
+    """A rollout worker's own sandbox pool (processes and Ray alike)."""
     from opencomposer.sandbox.pool import PoolConfig, SandboxPool
 
+    return SandboxPool(PoolConfig(max_concurrent=max_concurrent, max_load_per_cpu=None))
+
+
+def _init_worker(max_concurrent: int) -> None:
     _watch_parent()
     global _POOL
-    _POOL = SandboxPool(PoolConfig(max_concurrent=max_concurrent, max_load_per_cpu=None))
+    _POOL = _worker_pool(max_concurrent)
 
     def _interrupt(*_):  # SIGTERM from the driver: a rollout unwinds, so its sandbox's `with` blocks close it
         if _BUSY:
@@ -423,9 +428,7 @@ def _ray_rollout(task_root: str, sample, policy_config, agent, rewards, traj_dir
     """A rollout as a Ray task: the worker process makes its sandbox pool on first use."""
     global _POOL
     if _POOL is None:
-        from opencomposer.sandbox.pool import PoolConfig, SandboxPool
-
-        _POOL = SandboxPool(PoolConfig(max_concurrent=2, max_load_per_cpu=None))
+        _POOL = _worker_pool(2)
     return rollout_job(task_root, sample, policy_config, agent, rewards, traj_dir)
 
 
@@ -472,6 +475,9 @@ class RayReplica(ReplicaProcess):
     """An inference replica that a Ray actor runs; the driver reads its version and refusals from
     its /health over HTTP, as for `ReplicaProcess`."""
 
+    actor = None
+    """The `_ReplicaHost` actor's handle while it runs."""
+
     def start(self) -> RayReplica:
         ray = ray_runtime()
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -486,7 +492,7 @@ class RayReplica(ReplicaProcess):
         return self
 
     def alive(self) -> bool:
-        return getattr(self, "actor", None) is not None and self.health(max_age_s=0.0).get("status") == "ok"
+        return self.actor is not None and self.health(max_age_s=0.0).get("status") == "ok"
 
     def kill(self) -> None:
         """What a crash looks like (tests): the actor's process dies, and its replica with it."""
@@ -497,7 +503,7 @@ class RayReplica(ReplicaProcess):
     def stop(self) -> None:
         import ray
 
-        if getattr(self, "actor", None) is None:
+        if self.actor is None:
             return
         try:
             ray.get(self.actor.stop.remote(), timeout=60)

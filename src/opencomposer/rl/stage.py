@@ -35,8 +35,8 @@ class RLStageConfig:
     failed_edit: float = 0.0
     """Taken off per edit that changed nothing (`RewardConfig.failed_edit`)."""
     broken_call: float = 0.05
-    """Taken off per broken tool call (`RewardConfig.broken_call`). In the measured `renames` run
-    (effort 0) 13 of 15 groups passed nothing and trained on this term alone; at 0, such a group
+    """Taken off per broken tool call (`RewardConfig.broken_call`). In the `renames` run of
+    e856465 (effort 0) 13 of 15 groups passed nothing and trained on this term alone; at 0, such a group
     carries a gradient only where the other behaviour terms (todos, comment dumps, terminal
     collapse; `RewardConfig`) tell its rollouts apart."""
     services: Literal["processes", "threads"] = "processes"
