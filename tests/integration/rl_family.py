@@ -40,11 +40,15 @@ def episode(task, turns, cfg) -> tuple[list[dict], list[dict]]:
 
 TEMPERATURE = 0.7  # the RL tests sample at it; the family is calibrated at it
 BRANCH = (0.3, 0.5)  # the fix's probability at the branch token, at TEMPERATURE
+REST = 0.5  # the most log-probability the fix may lose after its branch token, at TEMPERATURE
 
 
-def sft_step(model, opt, seq, weight: float) -> None:
+def sft_step(model, opt, seq, weight: float, skip: int | None = None) -> None:
+    """One step on `seq`'s assistant tokens; `skip` leaves out the prediction at that position."""
     ids = torch.tensor([seq.ids])
     mask = torch.tensor([seq.loss_mask[1:]], dtype=torch.float32)
+    if skip is not None:
+        mask[0, skip] = 0.0
     lp = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     loss = -weight * (lp * mask).sum() / 50.0  # summed, not averaged: the first-token choice counts the same in both
     opt.zero_grad()
@@ -61,25 +65,31 @@ def teacher_logprobs(model, seq) -> torch.Tensor:
 
 
 def calibrate(model, opt, good, bad, max_steps: int = 200) -> float:
-    """More SFT steps on the fix alone (or on stopping alone) until the fix is sampled at the branch
-    token with a probability within BRANCH; returns it. The 1:2 mixture alone lands anywhere from a
-    few percent to a third depending on the machine's float rounding (CI once measured a start of
-    0/16): a start that never passes gives RL nothing to learn from. The rest of the fix must stay
-    learned: a family whose fix is not followed token by token fails here, not in the RL test."""
+    """More SFT steps until the fix is sampled at the branch token with a probability within BRANCH
+    and the rest of the fix is still followed token by token; returns the probability. The 1:2
+    mixture alone lands anywhere from a few percent to a third depending on the machine's float
+    rounding (CI once measured a start of 0/16): a start that never passes gives RL nothing to learn
+    from. Steps on stopping alone can unlearn the fix after its branch (CI once saw log-prob -7.5), so
+    a step on the fix without its branch token repairs it whenever it slips. A family that cannot
+    meet both fails here, not in the RL test."""
     i = next(k for k, (a, b) in enumerate(zip(good.ids, bad.ids)) if a != b)
     mask = torch.tensor(good.loss_mask[1:], dtype=torch.bool)
-    start = p = teacher_logprobs(model, good)[i - 1].exp().item()
+    start = None
     for step in range(max_steps):
-        if BRANCH[0] <= p <= BRANCH[1]:
+        lp = teacher_logprobs(model, good)
+        p, rest = lp[i - 1].exp().item(), lp[mask].sum().item() - lp[i - 1].item()
+        start = p if start is None else start
+        if rest < -REST:
+            sft_step(model, opt, good, 1.0, skip=i - 1)
+        elif p < BRANCH[0]:
+            sft_step(model, opt, good, 1.0)
+        elif p > BRANCH[1]:
+            sft_step(model, opt, bad, 1.0)
+        else:
             break
-        sft_step(model, opt, good if p < BRANCH[0] else bad, 1.0)
-        p = teacher_logprobs(model, good)[i - 1].exp().item()
     else:
-        raise RuntimeError(f"the family's fix probability did not calibrate: {p:.3f} not in {BRANCH}")
-    lp = teacher_logprobs(model, good)
-    rest = lp[mask].sum().item() - lp[i - 1].item()
-    if rest < -1.0:
-        raise RuntimeError(f"the family's model does not follow its fix after the branch (log-prob {rest:.2f})")
+        raise RuntimeError(f"the family did not calibrate: fix probability {p:.3f} (want {BRANCH}), "
+                           f"the rest of the fix at log-prob {rest:.2f} (want >= {-REST})")
     log.info("family: fix probability %.3f -> %.3f in %d steps; the rest of the fix at log-prob %.3f",
              start, p, step, rest)
     return p
