@@ -80,3 +80,22 @@ def test_to_dict_round_trip():
     from opencomposer.core.config import from_dict
 
     assert from_dict(Outer, d) == cfg
+
+
+def test_the_speedrun_rl_stage_offers_every_services_backend_of_the_loop():
+    """`--rl.services=ray` reaches the loop: the stage's choices are the loop's, and an override
+    of each loads."""
+    import typing
+
+    from opencomposer.rl.loop import RLConfig
+    from opencomposer.rl.stage import RLStageConfig
+    from opencomposer.speedrun import SpeedrunConfig
+
+    def choices(cls):
+        return typing.get_args(typing.get_type_hints(cls)["services"])
+
+    assert choices(RLStageConfig) == choices(RLConfig)
+    for name in choices(RLConfig):
+        assert load_config(SpeedrunConfig, overrides=[f"rl.services={name}"]).rl.services == name
+    with pytest.raises(ConfigError):
+        load_config(SpeedrunConfig, overrides=["rl.services=slurm"])

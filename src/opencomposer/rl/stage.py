@@ -39,8 +39,10 @@ class RLStageConfig:
     e856465 (effort 0) 13 of 15 groups passed nothing and trained on this term alone; at 0, such a group
     carries a gradient only where the other behaviour terms (todos, comment dumps, terminal
     collapse; `RewardConfig`) tell its rollouts apart."""
-    services: Literal["processes", "threads"] = "processes"
-    """Where the replica, rollout workers and evaluator run (`RLConfig.services`)."""
+    services: Literal["processes", "threads", "ray"] = "processes"
+    """Where the replica and rollout workers run (`RLConfig.services`): "ray" puts them on a Ray
+    cluster (`RAY_ADDRESS`, or a local one for the stage). The speedrun's agent evaluations run
+    on this machine whatever this says."""
 
 
 def staleness(steps: list[dict]) -> dict[str, int]:
