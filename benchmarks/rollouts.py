@@ -20,9 +20,9 @@ the harness sends, and the same for all three:
   its episodes still run --concurrency at a time, so sandbox work overlaps).
 
 Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
-the first (prefill excluded) for our engine with its products on oneDNN (the default,
-`model/linear.py`), the same engine on aten's `F.linear` (MKL here, what it ran on before), and
-transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
+the first (prefill excluded) for our engine as it serves (products on oneDNN, q/k/v and gate/up
+fused, weights packed: `model/linear.py`), the same engine with plain products (neither fused nor
+packed, still oneDNN), the same engine on aten's `F.linear` (MKL here), and transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
 FLOPs per weight per row; with the memory bandwidth (a float32 sum over 512 MB) and FLOP/s (the
 faster of aten's and oneDNN's 2048^3 float32 product) measured here, bound = B / max(bytes /
 bandwidth, flops / FLOP/s).
@@ -59,11 +59,12 @@ def machine_bound() -> tuple[float, float]:
 
 
 # -- decode -------------------------------------------------------------------------------------------
-def ours_decode(model, prompts: torch.Tensor, new: int) -> float:
+def ours_decode(model, prompts: torch.Tensor, new: int, prepared: bool = True) -> float:
     from opencomposer.inference.engine import Engine, EngineConfig
     from opencomposer.inference.sampling import SamplingParams
 
-    engine = Engine(model, config=EngineConfig(slots=prompts.shape[0], max_len=prompts.shape[1] + new + 1))
+    engine = Engine(model, config=EngineConfig(slots=prompts.shape[0], max_len=prompts.shape[1] + new + 1,
+                                               fuse_products=prepared, pack_weights=prepared))
     seqs = [engine.submit(p.tolist(), SamplingParams(temperature=0.0, max_tokens=new))[0] for p in prompts]
     engine.step()  # prefill + the first token
     t = time.perf_counter()
@@ -95,13 +96,13 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
     params = sum(p.numel() for p in mine.parameters())  # tied head: the embedding is read once, as the head
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     new, plen = 32, 64
-    impls = ("ours", "ours on aten", "transformers")
+    impls = ("ours", "ours plain", "ours on aten", "transformers")
     res = {(impl, b): [] for impl in impls for b in BATCHES}
 
-    def ours(p, backend):
+    def ours(p, backend, prepared=True):
         before = linear.set_backend(backend)
         try:
-            return ours_decode(mine, p, new)
+            return ours_decode(mine, p, new, prepared)
         finally:
             linear.set_backend(before)
 
@@ -110,22 +111,25 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
         for b in BATCHES:
             prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
             order = [("ours", lambda p=prompts: ours(p, "onednn")),
+                     ("ours plain", lambda p=prompts: ours(p, "onednn", prepared=False)),
                      ("ours on aten", lambda p=prompts: ours(p, "aten")),
                      ("transformers", lambda p=prompts: hf_decode(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
-    lines = [f"Our products ran on {linear.backend()} (`model/linear.py`); `ours on aten` is the same engine "
-             "on `F.linear`.", "",
-             "| batch | ours tok/s | ours on aten tok/s | transformers tok/s | ours / transformers | "
-             "roofline bound tok/s | ours / bound |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"Our products ran on {linear.backend()} (`model/linear.py`), q/k/v and gate/up fused and weights "
+             "packed; `plain` is the same engine with neither (`EngineConfig.fuse_products` and `pack_weights` "
+             "false); `on aten` is the same engine on `F.linear` (where neither applies).", "",
+             "| batch | ours tok/s | ours plain tok/s | ours on aten tok/s | transformers tok/s | "
+             "ours / transformers | roofline bound tok/s | ours / bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for b in BATCHES:
-        o, a, h = (statistics.median(res[(i, b)]) for i in impls)
+        o, u, a, h = (statistics.median(res[(i, b)]) for i in impls)
         ctx = plen + new // 2
         step = max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
         bound = b / step
-        lines.append(f"| {b} | {o:.1f} | {a:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | **{o / bound:.2f}** |")
+        lines.append(f"| {b} | {o:.1f} | {u:.1f} | {a:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | "
+                     f"**{o / bound:.2f}** |")
     return lines
 
 

@@ -94,3 +94,46 @@ def test_only_float32_cpu_outside_autocast_takes_the_path(monkeypatch):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown linear backend"):
         lin.set_backend("mkl")
+
+
+@needs_onednn
+@pytest.mark.parametrize("pack", [None, 4])
+def test_engine_products_match_and_follow_weight_updates(onednn, pack):
+    """An engine's products (`prepare_inference`: fused q/k/v and gate/up, packed weights): the
+    same logits as the plain model, new logits after in-place weight updates (no stale copy), and
+    no part in a forward under autograd (the parameters get their gradients)."""
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = LlamaModel(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        plain = model(ids)
+        n = lin.prepare_inference(model, pack=pack)
+        assert n["fused"] == 2 * cfg.num_hidden_layers
+        assert n["packed"] == (0 if pack is None else 7 * cfg.num_hidden_layers + 1)
+        _close(model(ids), plain)
+        calls = []
+        real = lin._product
+        lin._product = lambda x, w: calls.append((tuple(w.shape), w.is_mkldnn)) or real(x, w)
+        try:
+            model(ids)
+        finally:
+            lin._product = real
+        qkv = (cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size)
+        assert sum(s == qkv for s, _ in calls) == cfg.num_hidden_layers  # one product for q, k and v, not three
+        assert sum(s == (2 * cfg.intermediate_size, cfg.hidden_size) for s, _ in calls) == cfg.num_hidden_layers
+        assert len(calls) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate-up, down; the head
+        if pack:
+            assert all(packed for _, packed in calls), calls
+        model.layers[0].self_attn.k_proj.weight.mul_(3.0)
+        model.layers[1].mlp.up_proj.weight.copy_(torch.randn_like(model.layers[1].mlp.up_proj.weight))
+        model.layers[1].self_attn.o_proj.weight.mul_(-1.0)
+        updated = model(ids)
+        lin.prepare_inference(model, fuse=False)
+        _close(updated, model(ids))
+        assert (updated - plain).abs().max() > 1e-3
+    lin.prepare_inference(model, pack=pack)
+    model(ids).sum().backward()
+    for p in (model.layers[0].self_attn.q_proj.weight, model.layers[0].mlp.gate_proj.weight,
+              model.layers[0].self_attn.o_proj.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opencomposer.model.linear import Linear
+from opencomposer.model.linear import FusedProducts, Linear
 
 
 @dataclass
@@ -65,16 +65,22 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Gate and up run as one product in an engine's model
+    (`linear.prepare_inference`)."""
+
+    FUSE = ("gate_proj", "up_proj")
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.fused: FusedProducts | None = None
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.fused(x) if self.fused is not None else None
+        gate, up = gu or (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

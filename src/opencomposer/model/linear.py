@@ -14,6 +14,18 @@ Parameter, no autocast) and `F.linear` otherwise: GPU tensors, bf16, FSDP2's DTe
 regions never see it. Under autograd a small Function computes the backward's two products through
 the same kernel. `OPENCOMPOSER_LINEAR=aten` (read at import) or `set_backend("aten")` turns it off,
 for comparison (`benchmarks/rollouts.py --part decode` measures both in one run).
+
+For an inference engine's model (`prepare_inference`), two more steps, both off under autograd:
+- `FusedProducts`: the products of one input by several weights (q, k and v; an MLP's gate and up)
+  run as one product over their concatenation, as vLLM's merged QKV and gate-up layers do: one
+  call instead of three, and a wider product runs closer to this machine's bandwidth.
+- packed weights: oneDNN's own blocked layout for a given batch size
+  (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU weight prepacking uses). A
+  skinny decode product then streams its weight instead of re-blocking it on every call.
+Both keep derived copies (the fused and packed weights cost the model's product weights once more:
+about 540 MB for SmolLM2-135M in float32), built on first use and rebuilt whenever a weight's
+storage or version changes (an in-place update or an optimizer step bumps the version), so they
+never serve stale weights. Measured in `benchmarks/rollouts.py --part decode` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -97,8 +109,78 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return _product(x, w)
 
 
+def _reorder_op():
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight
+    except (AttributeError, RuntimeError):  # a torch without it: weights are used as they are
+        return None
+
+
+class _Derived:
+    """A copy derived from weights (their concatenation, in oneDNN's packed layout for `pack` rows
+    when given), rebuilt whenever one of them changes storage, version or shape."""
+
+    def __init__(self, pack: int | None):
+        self.pack = pack if _reorder_op() is not None else None
+        self._key: tuple | None = None
+        self._weight: torch.Tensor | None = None
+
+    def get(self, ws: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in ws)
+        if key != self._key:
+            w = torch.cat([w.detach() for w in ws]) if len(ws) > 1 else ws[0].detach()
+            self._weight = _reorder_op()(w.contiguous(), self.pack) if self.pack else w
+            self._key = key
+        return self._weight
+
+
+def _inference(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A product that no gradient flows through, on the oneDNN path."""
+    return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _eligible(x, w)
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same state-dict names) whose product is `linear`."""
+    """`nn.Linear` (same parameters, same state-dict names) whose product is `linear`; in an
+    inference engine's model (`prepare_inference`) with a packed copy of its weight."""
+
+    packed: _Derived | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and self.packed.pack and self.bias is None and _inference(x, self.weight):
+            return _product(x, self.packed.get([self.weight]))
         return linear(x, self.weight, self.bias)
+
+
+class FusedProducts:
+    """`x @ cat(w_1, ..., w_n).T` split back into the n products, for modules whose weights all
+    take the same input (module docstring)."""
+
+    def __init__(self, modules: list[nn.Linear], pack: int | None = None):
+        self.modules = modules
+        self.derived = _Derived(pack)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The n products, or None where the fused path does not apply (gradients, a bias, or
+        what `linear` would not send to oneDNN): the caller then runs its own modules."""
+        ws = [m.weight for m in self.modules]
+        if any(m.bias is not None for m in self.modules) or not _inference(x, ws[0]):
+            return None
+        return list(_product(x, self.derived.get(ws)).split([m.out_features for m in self.modules], -1))
+
+
+def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None = None) -> dict[str, int]:
+    """Set up `model` for an inference engine (module docstring): with `fuse`, every module that
+    names weights to fuse (a `FUSE` tuple of sub-module names) gets its `FusedProducts`; with
+    `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights.
+    Calling it again replaces the previous set-up (fuse=False, pack=None: the plain model).
+    Returns how many modules got each."""
+    n = {"fused": 0, "packed": 0}
+    for m in model.modules():
+        names = getattr(type(m), "FUSE", None)
+        if names:
+            m.fused = FusedProducts([getattr(m, k) for k in names], pack) if fuse else None
+            n["fused"] += bool(fuse)
+        if isinstance(m, Linear):
+            m.packed = _Derived(pack) if pack else None
+            n["packed"] += bool(pack)
+    return n

@@ -13,7 +13,7 @@ from torch import nn
 
 from opencomposer.model.cache import KVCache, attend
 from opencomposer.model.errors import ModelLoadError
-from opencomposer.model.linear import Linear
+from opencomposer.model.linear import FusedProducts, Linear
 from opencomposer.model.layers import MLP, CausalLM, ForwardOut, RMSNorm, apply_rope, init_weights, rope_tables
 
 
@@ -61,6 +61,8 @@ PRESETS = {
 
 
 class Attention(nn.Module):
+    FUSE = ("q_proj", "k_proj", "v_proj")  # one product in an engine's model (`linear.prepare_inference`)
+
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -69,13 +71,16 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = Linear(cfg.num_attention_heads * hd, d, bias=False)
+        self.fused: FusedProducts | None = None
 
     def forward(self, x, cos, sin, cache: KVCache | None, rows, mask):
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        qkv = self.fused(x) if self.fused is not None else None
+        q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and t == 1 and not torch.is_grad_enabled():
             out = cache.decode_attend(self.layer, rows, q, k, v)
