@@ -65,7 +65,8 @@ def test_user_mistakes_are_one_line(tmp_path):
     for args in (["serve", "--no-such-flag"], ["tasks", "validate", str(tmp_path), "--bogus"],
                  ["eval", "run", "--model", "oracle", "--tasks", str(tmp_path / "missing")],
                  ["pretrain", "--no_such_key=1"], ["sft", f"--model={tmp_path / 'missing'}"]):
-        r = cli(*args)
+        r = cli(*args, cwd=tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr and "error" in r.stderr, (args, r.stderr[-500:])
+    assert not (tmp_path / "runs").exists()  # a start that fails leaves no run folder behind
     r = cli("--debug", "pretrain", "--no_such_key=1")
     assert r.returncode != 0 and "Traceback" in r.stderr  # --debug shows it

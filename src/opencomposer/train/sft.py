@@ -133,10 +133,10 @@ def mean_loss(model, examples: list[Example], pad: int, batch_size: int) -> floa
 def run(cfg: SFTConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path("data"), progress=None) -> dict:
     from opencomposer.tokenizer.chat import ChatRenderer
 
+    torch.manual_seed(cfg.seed)
+    model, tok, folder = load_base(cfg.model, data_dir, cfg.moe_backend)  # a bad model leaves no run folder
     run_dir = run_dir or RunDir.create(cfg.out_dir, cfg.name)
     run_dir.write_config(cfg)
-    torch.manual_seed(cfg.seed)
-    model, tok, folder = load_base(cfg.model, data_dir, cfg.moe_backend)
     renderer = ChatRenderer(tok)
     max_len = max(p.seq_len for p in cfg.phases)
     convs = conversations(cfg.data, default_tool_schemas())
