@@ -20,8 +20,8 @@ For an inference engine's model (`prepare_inference`), two more steps, both off 
   run as one product over their concatenation, as vLLM's merged QKV and gate-up layers do: one
   call instead of three, and a wider product runs closer to this machine's bandwidth.
 - packed weights: oneDNN's own blocked layout for a given batch size
-  (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU weight prepacking uses). A
-  skinny decode product then streams its weight instead of re-blocking it on every call.
+  (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU weight prepacking uses):
+  measured faster for decode-sized products here; why inside oneDNN was not looked into.
 Both keep derived copies (the fused and packed weights cost the model's product weights once more:
 about 540 MB for SmolLM2-135M in float32), built on first use and rebuilt whenever a weight's
 storage or version changes (an in-place update or an optimizer step bumps the version), so they
