@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from opencomposer.tasks.builders.rename import new_name, rename_candidates, rename_identifier
+from opencomposer.tasks.builders.rename import new_name, rename_candidates, rename_identifier, rename_sites
 
 SRC = '''"""Docs mention area_of here and must keep it."""
 __all__ = ["area_of", 'other']
@@ -40,3 +40,15 @@ def test_candidates_are_public_defined_once_used_by_tests_and_not_too_short():
     assert new_name("area_of", random.Random(1), taken) == "area_of_impl"
     assert new_name("Shape", random.Random(1), set()).startswith(("Shape", "Base"))
     assert new_name("x", random.Random(0), {"x_v2", "compute_x", "x_impl"}) is None
+
+
+def test_rename_sites_counts_the_places_a_rename_changes():
+    # in SRC: the __all__ entry, the definition, and the call in `other` and `obj.area_of` (comments,
+    # docstrings, other strings and `area_of_x` are not places a rename by token changes)
+    assert rename_sites({"a.py": SRC}, "area_of") == 4
+    assert rename_sites({"a.py": SRC, "b.py": "from a import area_of\narea_of(2)\n"}, "area_of") == 6
+    assert rename_sites({"a.py": SRC}, "missing") == 0
+    assert rename_sites({"a.py": "def broken(:\n  \'\'\'"}, "broken") == 0  # does not tokenize: nothing renamed
+    # the count is what `rename_identifier` changes, token for token
+    changed = rename_identifier(SRC, "area_of", "Z")
+    assert changed.count("Z") == rename_sites({"a.py": SRC}, "area_of")

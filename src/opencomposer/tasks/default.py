@@ -189,7 +189,8 @@ def _build(out: Path, names, sources, cfg: DefaultBenchmarkConfig, say) -> Manif
                 else []
             if cfg.build.renames:
                 paths += build_renames(src, out, cfg.build.renames, seed=cfg.build.seed, progress=say,
-                                       min_pass_to_pass=cfg.build.min_pass_to_pass)
+                                       min_pass_to_pass=cfg.build.min_pass_to_pass,
+                                       max_sites=cfg.build.rename_sites)
         except RuntimeError as e:
             manifest.extra["rejected"].append({"source": name, "reason": str(e)})
             say(f"skipped {name}: {e}")

@@ -236,6 +236,8 @@ class BuildConfig:
     mutations: bool = True
     renames: int = 0
     """Rename tasks per source at most (`builders/rename.py`; the default benchmark builds them)."""
+    rename_sites: int = 0
+    """Renames that change more places in the code than this are skipped (0: no limit)."""
     seed: int = 0
     min_pass_to_pass: int = 1
 

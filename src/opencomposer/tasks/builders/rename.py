@@ -37,11 +37,10 @@ from opencomposer.tasks.environment import EnvironmentSpec
 log = logging.getLogger(__name__)
 
 
-def rename_identifier(text: str, old: str, new: str) -> str:
-    """`text` (Python source) with every NAME token `old` and every string literal that is exactly
-    `old` (an `__all__` entry, a `getattr` name) changed to `new`; nothing else changes, byte for
-    byte. Source that does not tokenize is returned unchanged."""
-    spans: list[tuple[int, int, int, str]] = []  # (line, start col, end col, replacement)
+def _rename_spans(text: str, old: str, new: str) -> list[tuple[int, int, int, str]]:
+    """(line, start col, end col, replacement) of every NAME token `old` and every one-line string
+    literal that is exactly `old`; empty where the source does not tokenize."""
+    spans: list[tuple[int, int, int, str]] = []
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
             if tok.type == tokenize.NAME and tok.string == old:
@@ -50,7 +49,21 @@ def rename_identifier(text: str, old: str, new: str) -> str:
                 q = tok.string[0]
                 spans.append((tok.start[0], tok.start[1], tok.end[1], f"{q}{new}{q}"))
     except (tokenize.TokenError, SyntaxError, IndentationError):
-        return text
+        return []
+    return spans
+
+
+def rename_sites(code: dict[str, str], old: str) -> int:
+    """How many places (identifier tokens and `__all__`-style string literals) renaming `old` changes
+    in `code` ({path: text}): the definition counts as one."""
+    return sum(len(_rename_spans(text, old, old)) for text in code.values())
+
+
+def rename_identifier(text: str, old: str, new: str) -> str:
+    """`text` (Python source) with every NAME token `old` and every string literal that is exactly
+    `old` (an `__all__` entry, a `getattr` name) changed to `new`; nothing else changes, byte for
+    byte. Source that does not tokenize is returned unchanged."""
+    spans = _rename_spans(text, old, new)
     if not spans:
         return text
     lines = text.splitlines(keepends=True)
@@ -117,9 +130,11 @@ def _prompt(qualname: str, file: str, new: str) -> str:
 
 def build_renames(source: CodeSource, out_dir: Path, max_tasks: int = 4, seed: int = 0,
                   sandbox: SandboxConfig | None = None, progress: Callable[[str], None] | None = None,
-                  min_pass_to_pass: int = 1) -> list[Path]:
+                  min_pass_to_pass: int = 1, max_sites: int = 0) -> list[Path]:
     """Up to `max_tasks` rename tasks from `source` into `out_dir`; returns their folders (run
-    `gates.validate` on each to prove them, as the default-benchmark builder does)."""
+    `gates.validate` on each to prove them, as the default-benchmark builder does). `max_sites` > 0
+    keeps only renames that change at most that many places in the code (`rename_sites`): a family
+    of one or two edits each, where what decides a pass is executing them, not finding them."""
     rng = random.Random(f"{source.name}-rename-{seed}")
     say = progress or (lambda msg: None)
     sandbox = environment.sandbox_config(EnvironmentSpec(), sandbox)
@@ -136,6 +151,8 @@ def build_renames(source: CodeSource, out_dir: Path, max_tasks: int = 4, seed: i
                 if len(made) >= max_tasks:
                     break
                 old = qual.rpartition(".")[2]
+                if max_sites and rename_sites(code_text, old) > max_sites:
+                    continue
                 renamed_tests = Path(tmp) / f"hidden-{i}"
                 shutil.copytree(hidden, renamed_tests)
                 for rel, text in test_text.items():
