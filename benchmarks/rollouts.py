@@ -17,7 +17,11 @@ the harness sends, and the same for all three:
   `OpenAIPolicy`), --concurrency episodes in flight, prefix cache on or off;
 - `transformers`: the same rendering (our ChatRenderer, so the same prompt ids) fed to
   `AutoModelForCausalLM.generate` one request at a time (what a user of plain transformers gets;
-  its episodes still run --concurrency at a time, so sandbox work overlaps).
+  its episodes still run --concurrency at a time, so sandbox work overlaps);
+- `no model`: the demonstration's turns with no policy called: the harness, sandboxes and grading
+  alone, the floor under every other row.
+The engine's own clock (prefill and decode seconds, `Engine.stats`) says how much of a served
+run's wall time the model took.
 
 Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
 the first (prefill excluded) for our engine as it serves (products on oneDNN, q/k/v and gate/up
@@ -173,7 +177,16 @@ def served(folder: Path, tasks: Path, cache: bool, args, out: Path) -> dict:
         st = dict(engine.stats)
     return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"],
             "prefill": st["prompt_tokens"], "cached": st["cached_prompt_tokens"], "generated": st["generated_tokens"],
-            "requests": st["requests"]}
+            "requests": st["requests"], "prefill_s": st["prefill_seconds"], "decode_s": st["decode_seconds"]}
+
+
+def no_policy(tasks: Path, args, out: Path) -> dict:
+    """The same episodes with no model behind them (the demonstration's turns alone): what the
+    harness, the sandboxes and grading cost by themselves."""
+    secs, summary = run_episodes(tasks, lambda task, k=0: ReplayWithGeneration(task, lambda m, t: None, "none"),
+                                 args, out)
+    return {"seconds": secs, "episodes": summary["episodes"], "accuracy": summary["accuracy"], "cached": 0,
+            "prefill": 0, "generated": 0, "requests": 0}
 
 
 def transformers_run(folder: Path, tasks: Path, args, out: Path) -> dict:
@@ -210,13 +223,13 @@ def episodes_section(folder: Path, tmp: Path, args) -> list[str]:
     tasks = tmp / "tasks"
     build_default(tasks, DefaultBenchmarkConfig(sources=("colorsys", "graphlib"),
                                                 build=BuildConfig(max_single=4, max_multi=0)))
-    modes = ["cache on", "cache off"] + ([] if args.skip_transformers else ["transformers"])
+    modes = ["cache on", "cache off"] + ([] if args.skip_transformers else ["transformers"]) + ["no model"]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for m in modes if r % 2 == 0 else modes[::-1]:
             out = tmp / f"run-{r}-{m.replace(' ', '-')}"
             res = transformers_run(folder, tasks, args, out) if m == "transformers" else \
-                served(folder, tasks, m == "cache on", args, out)
+                no_policy(tasks, args, out) if m == "no model" else served(folder, tasks, m == "cache on", args, out)
             runs[m].append(res)
             print(m, r, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
     eps = {m: statistics.median(x["episodes"] * 60 / x["seconds"] for x in v) for m, v in runs.items()}
@@ -225,13 +238,18 @@ def episodes_section(folder: Path, tmp: Path, args) -> list[str]:
              f"from each task's demonstration), {args.concurrency} in flight, SmolLM2-135M float32, up to "
              f"{args.turn_tokens} greedy tokens per turn, {args.rounds} alternating rounds, medians.", "",
              "| policy | episodes / min | prompt tokens prefilled per episode | served from cache | tokens generated "
-             "per episode | graded pass rate |", "|---|---|---|---|---|---|"]
+             "per episode | engine prefill / decode, share of the wall time | graded pass rate |",
+             "|---|---|---|---|---|---|---|"]
     for m, v in runs.items():
         pre = statistics.median(x["prefill"] / x["episodes"] for x in v)
         cached = statistics.median(x["cached"] / max(1, x["cached"] + x["prefill"]) for x in v)
         gen = statistics.median(x["generated"] / x["episodes"] for x in v)
         acc = statistics.median(x["accuracy"] for x in v)
-        lines.append(f"| {m} | {eps[m]:.2f} | {pre:.0f} | {cached:.0%} | {gen:.0f} | {acc:.0%} |")
+        split = "n/a"  # transformers and the run with no model have no engine
+        if "prefill_s" in v[0]:
+            split = (f"{statistics.median(x['prefill_s'] / x['seconds'] for x in v):.0%} / "
+                     f"{statistics.median(x['decode_s'] / x['seconds'] for x in v):.0%}")
+        lines.append(f"| {m} | {eps[m]:.2f} | {pre:.0f} | {cached:.0%} | {gen:.0f} | {split} | {acc:.0%} |")
     lines += ["", f"Cache on / cache off: **{eps['cache on'] / eps['cache off']:.2f}x** episodes per minute (goal: 3x)"
               + (f"; cache on / transformers: **{eps['cache on'] / eps['transformers']:.2f}x**."
                  if "transformers" in eps else ".")]
