@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-c", "--config", help="a TOML recipe of your own (instead of a preset)")
     sp.add_argument("--preset", default="default",
                     help="a recipe in configs/speedrun-<preset>.toml: default (about an hour on 2 CPU cores), "
-                         "smoke (under 10 minutes), gpu-8b (documents the GPU path)")
+                         "smoke (under 10 minutes), renames and renames-small (rename families for RL on the "
+                         "embedded default: docs/rl.md), gpu-8b (documents the GPU path)")
     sp.add_argument("--fresh", action="store_true", help="start a new run even if an unfinished one exists")
     sp.set_defaults(fn=cmd_speedrun)
 
