@@ -41,3 +41,30 @@ def test_a_step_at_lr_0_changes_no_weight(lr):
         assert stats["grad_norm"] > 0 and stats["trained_tokens"] > 0  # a real gradient each step
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert (changed == []) if lr == 0 else len(changed) == len(before)
+
+
+def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
+    """A group where nothing passed but the behaviour terms differ: "train" moves the weights on
+    those terms, "skip" leaves every weight as it was and counts the group; a group with a pass
+    trains either way."""
+    def model_and_state():
+        torch.manual_seed(0)
+        m = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        return m, copy.deepcopy(m.state_dict())
+
+    unsolved = samples(200)
+    for s, r in zip(unsolved, (0.0, -0.05, -0.1, 0.0)):  # no pass; broken calls cost 0.05 each
+        s.reward, s.passed = r, False
+    solved = samples(200)
+    for s in solved:
+        s.passed = s.reward > 0
+    for mode, group, moves in (("train", unsolved, True), ("skip", unsolved, False), ("skip", solved, True)):
+        model, before = model_and_state()
+        trainer = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.0, unsolved_groups=mode),
+                            TrainerConfig(lr=1e-3))
+        stats = trainer.step([group])
+        changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+        assert bool(changed) == moves, (mode, group is solved)
+        assert stats["unsolved_groups_skipped"] == (0 if moves else 1)
+        assert stats["zero_advantage_groups"] == 0

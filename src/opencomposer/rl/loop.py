@@ -491,7 +491,7 @@ class Run:
                "reward": sum(s.reward for s in samples) / len(samples),
                "pass_rate": sum(s.passed for s in samples) / len(samples),
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
-               "trained_tokens": st["trained_tokens"], "tokens_per_rollout": sum(s.trained_tokens for s in samples)
+               "unsolved_groups_skipped": st["unsolved_groups_skipped"], "trained_tokens": st["trained_tokens"], "tokens_per_rollout": sum(s.trained_tokens for s in samples)
                / len(samples), "turns_per_rollout": sum(s.turns for s in samples) / len(samples),
                "tool_calls": calls, "broken_calls": sum(s.breakdown.get("broken_calls", 0) for s in samples),
                "failed_edits": sum(s.breakdown.get("failed_edits", 0) for s in samples),

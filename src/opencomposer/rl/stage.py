@@ -39,6 +39,9 @@ class RLStageConfig:
     e856465 (effort 0) 13 of 15 groups passed nothing and trained on this term alone; at 0, such a group
     carries a gradient only where the other behaviour terms (todos, comment dumps, terminal
     collapse; `RewardConfig`) tell its rollouts apart."""
+    unsolved_groups: Literal["train", "skip"] = "train"
+    """A group where no rollout passed: trained on the effort and behaviour terms ("train"), or
+    not trained at all ("skip"; `ObjectiveConfig.unsolved_groups`)."""
     services: Literal["processes", "threads", "ray"] = "processes"
     """Where the replica and rollout workers run (`RLConfig.services`): "ray" puts them on a Ray
     cluster (`RAY_ADDRESS`, or a local one for the stage). The speedrun's agent evaluations run
@@ -77,7 +80,7 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
                     max_turns=agent.max_turns, rollout_timeout_s=agent.episode_timeout_s, tools=agent.tools,
                     slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
-                                              kl_coef=cfg.kl_coef),
+                                              kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services)
     out = run_dir.stage("rl")

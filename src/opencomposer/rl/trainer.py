@@ -77,10 +77,13 @@ class RLTrainer:
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
         cfg = self.objective
-        stats = {"groups": len(groups), "zero_advantage_groups": 0, "trained_tokens": 0, "kl": 0.0,
-                 "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
+        stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0, "trained_tokens": 0,
+                 "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
+            if cfg.unsolved_groups == "skip" and not any(s.passed for s in group):
+                stats["unsolved_groups_skipped"] += 1
+                continue
             refs = self._group_refs(group) if self.ref is not None else None
             kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
                        for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
