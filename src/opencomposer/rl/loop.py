@@ -491,8 +491,9 @@ class Run:
                "reward": sum(s.reward for s in samples) / len(samples),
                "pass_rate": sum(s.passed for s in samples) / len(samples),
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
-               "unsolved_groups_skipped": st["unsolved_groups_skipped"], "trained_tokens": st["trained_tokens"], "tokens_per_rollout": sum(s.trained_tokens for s in samples)
-               / len(samples), "turns_per_rollout": sum(s.turns for s in samples) / len(samples),
+               "unsolved_groups_skipped": st["unsolved_groups_skipped"], "trained_tokens": st["trained_tokens"],
+               "tokens_per_rollout": sum(s.trained_tokens for s in samples) / len(samples),
+               "turns_per_rollout": sum(s.turns for s in samples) / len(samples),
                "tool_calls": calls, "broken_calls": sum(s.breakdown.get("broken_calls", 0) for s in samples),
                "failed_edits": sum(s.breakdown.get("failed_edits", 0) for s in samples),
                "edit_rate": edits / len(samples), "merge_rate": sum(s.merge_rate for s in samples) / len(samples),
