@@ -99,3 +99,23 @@ def test_the_speedrun_rl_stage_offers_every_services_backend_of_the_loop():
         assert load_config(SpeedrunConfig, overrides=[f"rl.services={name}"]).rl.services == name
     with pytest.raises(ConfigError):
         load_config(SpeedrunConfig, overrides=["rl.services=slurm"])
+
+
+def test_the_speedrun_rl_stage_hands_its_settings_to_the_loop():
+    """What a preset or `--rl.x=` override says is what the loop runs with: learning rate, reward
+    weights, the unsolved-group rule and the shared harness settings."""
+    from pathlib import Path
+
+    from opencomposer.rl.stage import loop_config
+    from opencomposer.speedrun import SpeedrunConfig
+
+    cfg = load_config(SpeedrunConfig, overrides=["rl.unsolved_groups=skip", "rl.lr=3e-5", "rl.failed_edit=0.05",
+                                                 "rl.broken_call=0.02", "rl.group_size=6", "agent.turn_tokens=99"])
+    r = loop_config(cfg.rl, cfg.agent, Path("m"), Path("t"), "train", epochs=1)
+    assert r.objective.unsolved_groups == "skip" and r.objective.group_size == 6
+    assert r.trainer.lr == 3e-5 and r.rewards.failed_edit == 0.05 and r.rewards.broken_call == 0.02
+    assert r.turn_tokens == 99 and r.evaluate is False
+    assert loop_config(load_config(SpeedrunConfig).rl, cfg.agent, Path("m"), Path("t"), "train", 1) \
+        .objective.unsolved_groups == "train"
+    with pytest.raises(ConfigError):
+        load_config(SpeedrunConfig, overrides=["rl.unsolved_groups=sometimes"])

@@ -57,23 +57,15 @@ def staleness(steps: list[dict]) -> dict[str, int]:
     return out
 
 
-def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
-        split: str = "train", progress=None) -> dict:
+def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str, epochs: int):
+    """The loop's `RLConfig` for this stage: its own settings plus the harness every agent stage
+    shares (`agent`), so RL rolls out exactly as the evals measure."""
     from opencomposer.rl.loop import RLConfig
-    from opencomposer.rl.loop import run as run_loop
     from opencomposer.rl.objective import ObjectiveConfig
     from opencomposer.rl.rewards import RewardConfig
     from opencomposer.rl.trainer import TrainerConfig
-    from opencomposer.tasks.format import load_dataset
 
-    if not (model / "config.json").exists():
-        raise FileNotFoundError(f"rl: no model at {model} (did SFT fail?)")
-    n = len(load_dataset(tasks, split))
-    if not n:
-        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}")
-    # single epoch while the train split is large enough; a small family is visited again
-    epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
-    rcfg = RLConfig(model=model, tasks=tasks, split=split, evaluate=False, steps=cfg.steps, minutes=cfg.minutes,
+    return RLConfig(model=model, tasks=tasks, split=split, evaluate=False, steps=cfg.steps, minutes=cfg.minutes,
                     groups_per_step=cfg.groups_per_step, max_inflight_groups=cfg.max_inflight_groups,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
@@ -83,6 +75,21 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services)
+
+
+def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
+        split: str = "train", progress=None) -> dict:
+    from opencomposer.rl.loop import run as run_loop
+    from opencomposer.tasks.format import load_dataset
+
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(f"rl: no model at {model} (did SFT fail?)")
+    n = len(load_dataset(tasks, split))
+    if not n:
+        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}")
+    # single epoch while the train split is large enough; a small family is visited again
+    epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
+    rcfg = loop_config(cfg, agent, model, tasks, split, epochs)
     out = run_dir.stage("rl")
     summary = run_loop(rcfg, out, progress=progress)
     steps = summary.pop("steps")
