@@ -12,7 +12,7 @@ so each episode follows the task's demonstration (`evals/demonstration.py`: grep
 compile, answer — five turns): every turn the harness sends the conversation so far to the policy
 under test, which generates up to --turn-tokens tokens (greedy; measured, then discarded), and the
 demonstration's turn is what the harness executes. What each policy sees is therefore exactly what
-the harness sends, and the same for all three:
+the harness sends, and the same for the three policies (`no model` calls none):
 - `cache on` / `cache off`: SmolLM2-135M behind our server (the official `openai` client through
   `OpenAIPolicy`), --concurrency episodes in flight, prefix cache on or off;
 - `transformers`: the same rendering (our ChatRenderer, so the same prompt ids) fed to
