@@ -39,8 +39,7 @@ class ObjectiveConfig:
     """A group in which no rollout passed the verifier: "train" on whatever the effort and behaviour
     terms tell its rollouts apart by (the report's rewards as they are), or "skip" it like a group
     whose rewards are all equal, so that those terms only rank attempts within groups the policy
-    can solve (as Kimi k1.5's length reward penalises only incorrect answers' length, never rewards
-    it). Why it exists: in the renames runs of docs/rl.md, groups that passed nothing were most of
+    can solve. Why it exists: in the renames runs of docs/rl.md, groups that passed nothing were most of
     the groups, and training on their behaviour terms alone moved the policy away from SFT."""
 
 
