@@ -79,6 +79,15 @@ def test_group_advantages_have_no_std_normalisation():
     assert rewards_with_kl([1.0, 0.0], [2.0, 0.0], cfg) == [0.8, 0.0]
 
 
+def test_negative_advantages_weigh_down_or_drop_what_fell_below_the_mean():
+    """PSR at 0, a partial weight between, Dr. GRPO at 1; an all-equal group stays signal-free."""
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], 4, negative=0.0) == ([0.75, 0.0, 0.0, 0.0], False)
+    assert group_advantages([1.0, 1.0, 0.0, 0.0], 4, negative=0.5) == ([0.5, 0.5, -0.25, -0.25], False)
+    assert group_advantages([0.2] * 4, 4, negative=0.0)[1]
+    with pytest.raises(ValueError, match="negative_advantages"):
+        group_advantages([1.0, 0.0, 0.0, 0.0], 4, negative=-1.0)
+
+
 def grad_of(mode, logp_values, sampler, adv=1.0, **kw):
     logp = torch.tensor(logp_values, requires_grad=True)
     cfg = ObjectiveConfig(correction=mode, normalizer=10.0, **kw)

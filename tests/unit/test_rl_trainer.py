@@ -68,3 +68,33 @@ def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
         assert bool(changed) == moves, (mode, group is solved)
         assert stats["unsolved_groups_skipped"] == (0 if moves else 1)
         assert stats["zero_advantage_groups"] == 0
+
+
+def test_rollouts_at_advantage_0_are_not_forwarded_and_the_gradient_is_the_same():
+    """Under `negative_advantages = 0` the rollouts below the mean have advantage 0: the step skips
+    their forward and backward (counted), and its gradient equals the one computed by hand from the
+    other rollouts alone, through the shared-prompt path."""
+    from opencomposer.rl.forward import sequence_logprobs
+    from opencomposer.rl.objective import token_loss
+    from opencomposer.rl.trainer import sampled
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    group = samples(200)  # rewards 1, 0, 0, 1: advantages 0.5, -0.5, -0.5, 0.5 -> 0.5, 0, 0, 0.5
+    cfg = ObjectiveConfig(group_size=4, kl_coef=0.0, negative_advantages=0.0)
+    trainer = RLTrainer(model, cfg, TrainerConfig(lr=1e-3))
+    grads = {}
+    trainer.opt.step = lambda: grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    stats = trainer.step([group])
+    assert stats["zero_advantage_rollouts"] == 2
+    assert stats["trained_tokens"] == group[0].trained_tokens + group[3].trained_tokens
+
+    ref = copy.deepcopy(model)
+    for s in (group[0], group[3]):
+        seq = s.sequences[0]
+        loss, _ = token_loss(sequence_logprobs(ref, seq), sampled(seq), torch.tensor(0.5), cfg)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)

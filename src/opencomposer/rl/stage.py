@@ -42,6 +42,9 @@ class RLStageConfig:
     unsolved_groups: Literal["train", "skip"] = "train"
     """A group where no rollout passed: trained on the effort and behaviour terms ("train"), or
     not trained at all ("skip"; `ObjectiveConfig.unsolved_groups`)."""
+    negative_advantages: float = 1.0
+    """The factor on advantages below the group mean (`ObjectiveConfig.negative_advantages`): 1 is
+    Dr. GRPO, 0 trains only on the rollouts that beat their group."""
     services: Literal["processes", "threads", "ray"] = "processes"
     """Where the replica and rollout workers run (`RLConfig.services`): "ray" puts them on a Ray
     cluster (`RAY_ADDRESS`, or a local one for the stage). The speedrun's agent evaluations run
@@ -72,7 +75,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     max_turns=agent.max_turns, rollout_timeout_s=agent.episode_timeout_s, tools=agent.tools,
                     slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
-                                              kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups),
+                                              kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
+                                              negative_advantages=cfg.negative_advantages),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services)
 

@@ -3,7 +3,8 @@ Dr. GRPO objective (`rl/objective.py`), plus the step checkpoint that makes a re
 
 Per group: rewards (with beta * sum k1 taken off when the KL sits in the reward; k1 from the
 sampler's logprobs against the frozen reference model's, at the sampled tokens), A = R - mean R;
-a group whose advantages are all zero carries no gradient and is counted, not trained. Per trained
+a group whose advantages are all zero carries no gradient and is counted, not trained, and so is a
+rollout whose advantage is zero. Per trained
 token: the trainer's logprob in training mode (router replay for MoE) against the sampler's,
 summed over every token of every rollout and divided by the constant normaliser.
 """
@@ -77,7 +78,8 @@ class RLTrainer:
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
         cfg = self.objective
-        stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0, "trained_tokens": 0,
+        stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0,
+                 "zero_advantage_rollouts": 0, "trained_tokens": 0,
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
@@ -88,12 +90,19 @@ class RLTrainer:
             kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
                        for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
             stats["kl"] += sum(kl_sums)
-            adv, zero = group_advantages(rewards_with_kl([s.reward for s in group], kl_sums, cfg), cfg.group_size)
+            adv, zero = group_advantages(rewards_with_kl([s.reward for s in group], kl_sums, cfg), cfg.group_size,
+                                         cfg.negative_advantages)
             if zero:
                 stats["zero_advantage_groups"] += 1
                 continue
-            shared = self._shared(self.model, group, grad=True)
-            for si, (s, a) in enumerate(zip(group, adv)):
+            # A rollout at advantage 0 (every one below the mean under `negative_advantages = 0`)
+            # has a gradient of exactly 0 under every correction: its forward and backward are skipped,
+            # unless the KL sits in the loss, where it still has one.
+            live = [i for i, a in enumerate(adv) if a != 0.0 or (refs is not None and cfg.kl_place == "loss")]
+            stats["zero_advantage_rollouts"] += len(group) - len(live)
+            shared = self._shared(self.model, [group[i] for i in live], grad=True)
+            for si in live:
+                s, a = group[si], adv[si]
                 for qi, seq in enumerate(s.sequences):
                     logp = (shared.logprobs(seq) if shared is not None and qi == 0
                             else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
