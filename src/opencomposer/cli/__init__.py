@@ -48,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "before and after) and its report card; resumes an unfinished run")
     sp.add_argument("-c", "--config", help="a TOML recipe of your own (instead of a preset)")
     sp.add_argument("--preset", default="default",
-                    help="a recipe in configs/speedrun-<preset>.toml: default (about an hour on 2 CPU cores), "
-                         "smoke (under 10 minutes), renames and renames-small (rename families for RL on the "
-                         "embedded default: docs/rl.md), gpu-8b (documents the GPU path)")
+                    help="a recipe in configs/speedrun-<preset>.toml: default (renames of at most two places, "
+                         "sized toward an hour on 2 CPU cores), smoke (under 10 minutes), renames-small (the "
+                         "default's family with more SFT and RL and the lr-0 control), renames (larger renames), "
+                         "bugfix (the bug-fix family), gpu-8b (documents the GPU path)")
     sp.add_argument("--fresh", action="store_true", help="start a new run even if an unfinished one exists")
     sp.set_defaults(fn=cmd_speedrun)
 
