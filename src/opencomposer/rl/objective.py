@@ -18,9 +18,10 @@ Groups whose rewards are all equal carry no gradient: `group_advantages` counts 
 - `negative_advantages` scales the advantages below the group mean (1 = Dr. GRPO as the report has it;
   0 = reinforce only what beat the mean, the positive-sample half of REINFORCE that Zhu et al. 2025,
   "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", call PSR). Why it
-  exists: on `renames-small` (docs/rl.md) the negative half, at lr 3e-5, pushed down the tokens with
-  which failed attempts stopped, and within two steps the policy stopped stopping (rollouts of 214
-  tokens grew to 1,130, repeated `search_replace`).
+  exists: on `renames-small` (docs/rl.md), at lr 3e-5, Dr. GRPO collapsed the policy into repeated
+  edits within two steps (rollouts of 214 tokens grew to 1,130); our guess was the negative half
+  pushing down the tokens with which failed attempts stopped. At 0 and the same lr the policy
+  collapsed the other way (no edits at all from step 16), so it is not a fix for a step too large.
 """
 
 from __future__ import annotations
