@@ -14,7 +14,6 @@
   `"ppo"` uses the clipped surrogate min(r A, clip(r, 1-eps, 1+eps) A); `"none"` assumes on-policy.
 - No overlong masking. Single epoch (no prompt twice) is the reconciler's plan (`rl/loop.py`); Adam
   on all parameters is the trainer's (`rl/trainer.py`).
-Groups whose rewards are all equal carry no gradient: `group_advantages` counts them.
 - `negative_advantages` scales the advantages below the group mean (1 = Dr. GRPO as the report has it;
   0 = reinforce only what beat the mean, the positive-sample half of REINFORCE that Zhu et al. 2025,
   "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", call PSR). Why it
@@ -22,6 +21,7 @@ Groups whose rewards are all equal carry no gradient: `group_advantages` counts 
   edits within two steps (rollouts of 214 tokens grew to 1,130); our guess was the negative half
   pushing down the tokens with which failed attempts stopped. At 0 and the same lr the policy
   collapsed the other way (no edits at all from step 16), so it is not a fix for a step too large.
+Groups whose rewards are all equal carry no gradient: `group_advantages` counts them.
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ class ObjectiveConfig:
     on rollouts that beat their group's mean (PSR), between them weighs failures down."""
 
     def __post_init__(self):
-        if not 0.0 <= self.negative_advantages <= 1.0:
-            raise ValueError(f"negative_advantages is {self.negative_advantages}; it must be in [0, 1]")
+        _check_negative(self.negative_advantages)
+
+
+def _check_negative(factor: float) -> None:
+    if not 0.0 <= factor <= 1.0:
+        raise ValueError(f"negative_advantages is {factor}; it must be in [0, 1]")
 
 
 def group_advantages(rewards: list[float], group_size: int,
@@ -63,8 +67,7 @@ def group_advantages(rewards: list[float], group_size: int,
     `negative` multiplies the advantages below the mean (`ObjectiveConfig.negative_advantages`)."""
     if len(rewards) != group_size:
         raise ValueError(f"a group has {len(rewards)} rollouts; the group size is fixed at {group_size}")
-    if not 0.0 <= negative <= 1.0:
-        raise ValueError(f"negative_advantages is {negative}; it must be in [0, 1]")
+    _check_negative(negative)
     mean = sum(rewards) / len(rewards)
     adv = [r - mean for r in rewards]
     zero = all(abs(a) < 1e-12 for a in adv)
