@@ -414,6 +414,47 @@ def test_serve_follows_a_weight_store_as_its_own_process(tmp_path, tokenizer):
         proc.wait(30)
 
 
+HANGING_STOP = """
+import sys, threading
+from opencomposer.inference.engine import Engine
+Engine.stop = lambda self, timeout=10.0: threading.Event().wait()  # the fault: a stop that never returns
+from opencomposer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_serve_ends_within_its_shutdown_deadline(llama_server, tmp_path, hang):
+    """SIGTERM (what an RL replica gets when its driver dies) ends `opencomposer serve`: cleanly
+    (exit 0) when its stop works, and with exit 1 and a one-line reason once
+    `shutdown_timeout_s` has passed when its stop hangs (a fault injected into Engine.stop)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready.json"
+    args = ["serve", "--model", str(llama_server[1]), "--port", "0", f"--ready_file={json.dumps(str(ready))}",
+            "--shutdown_timeout_s=3"]
+    cmd = [sys.executable, "-c", HANGING_STOP, *args] if hang else [sys.executable, "-m", "opencomposer.cli", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(60)
+        err = proc.stderr.read().decode()
+        assert rc == (1 if hang else 0), err[-2000:]
+        assert ("did not finish within 3 s" in err) == hang, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 def test_a_stopped_server_lets_go_of_its_engine(llama_server):
     """FastAPI caches every app's endpoint functions module-wide; they must not keep a stopped
     server's engine (model, KV cache, prefix cache) alive: the speedrun's driver grew by a served

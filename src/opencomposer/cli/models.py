@@ -55,7 +55,7 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     import signal
 
     from opencomposer.core.config import load_config
-    from opencomposer.inference.server import ServeConfig, make_server
+    from opencomposer.inference.server import ServeConfig, exit_after, make_server
     from opencomposer.model.errors import ModelLoadError
     from opencomposer.tokenizer.bpe import TokenizerError
 
@@ -78,6 +78,7 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
         stop.wait()
     except KeyboardInterrupt:
         pass
+    exit_after(cfg.shutdown_timeout_s, "the server's shutdown")
     server.stop()
     return 0
 

@@ -79,6 +79,10 @@ class ServeConfig:
     ready_file: Path | None = None
     """Written (atomically, JSON with the base URL and pid) once the server listens: how a parent
     process learns the port of `port = 0`."""
+    shutdown_timeout_s: float = 30.0
+    """How long a stop may take: in-flight requests are cut off after it (uvicorn's graceful
+    shutdown), and `opencomposer serve` exits hard when its stop has not finished by then, so a
+    replica whose driver died never lingers on a stuck request or thread."""
 
 
 def held_back(text: str, markers: tuple[str, ...]) -> int:

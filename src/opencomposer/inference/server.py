@@ -285,7 +285,8 @@ class Server:
 
         cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
                              access_log=False, limit_concurrency=self.config.max_connections,
-                             timeout_keep_alive=5, lifespan="off")
+                             timeout_keep_alive=5, lifespan="off",
+                             timeout_graceful_shutdown=self.config.shutdown_timeout_s)
         self._uvicorn = uvicorn.Server(cfg)
         self._uvicorn.install_signal_handlers = lambda: None  # not the main thread; the CLI handles signals
         if self.config.weights and self.frontend.follower is None:
@@ -341,6 +342,25 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def exit_after(seconds: float, what: str) -> threading.Thread:
+    """Arm a hard exit: unless the process has ended `seconds` from now, say so on stderr and end
+    it with `os._exit(1)`. For a stop that must not hang (a replica whose driver died): a request
+    stuck in the engine, a thread that never returns, or the interpreter joining a non-daemon
+    thread at exit would otherwise keep it alive. The watcher is a daemon thread, so it keeps
+    running while the interpreter waits on the others."""
+    import os
+    import sys
+
+    def watch() -> None:
+        time.sleep(seconds)
+        print(f"error: {what} did not finish within {seconds:.0f} s; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    t = threading.Thread(target=watch, name="exit-after", daemon=True)
+    t.start()
+    return t
 
 
 def load_served(folder: Path, *, slots: int = 32, max_len: int | None = None, speculative: bool = False,

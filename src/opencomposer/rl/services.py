@@ -21,6 +21,7 @@ evaluator turns (eval config, policy URL) into a summary — so where they run i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing
@@ -125,7 +126,8 @@ class ReplicaProcess(Replica):
             cmd += ["--max-len", str(self.max_len)]
         self._log = open(self.log_dir / "replica.log", "ab")  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while not Path(ready).exists():
             if self.proc.poll() is not None:
@@ -202,15 +204,19 @@ class ReplicaProcess(Replica):
             self._log = None
 
 
-def _die_with_parent() -> None:
-    """In a child before exec (Linux): SIGTERM it when the process that started it dies, so a
-    driver killed with SIGKILL leaves no replica serving behind it."""
+def _die_with_parent(parent: int) -> None:
+    """In a child before exec (Linux): SIGTERM it when the process that started it (`parent`)
+    dies, so a driver killed with SIGKILL leaves no replica serving behind it. A parent that died
+    between the fork and the prctl sends no signal: that case is checked by hand. The replica
+    bounds its own shutdown (`ServeConfig.shutdown_timeout_s`), so the SIGTERM ends it."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # -- rollout workers ----------------------------------------------------------------------------------
