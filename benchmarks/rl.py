@@ -1,6 +1,6 @@
 """RL throughput, measured side by side in one run:
 
-    .venv/bin/python benchmarks/rl.py [--part all|train,sync,pipeline] [--steps 8] [--rounds 3]
+    .venv/bin/python benchmarks/rl.py [--part all|train,sync,pipeline,threads] [--steps 8] [--rounds 3]
                                       # writes "rl-<part>" sections in docs/benchmarks.md
 
 - train: one trainer step of SmolLM2-135M on a group of G=4 rollouts sharing a harness prompt (the
@@ -19,6 +19,10 @@
   scale 1 s, capped at 30 s), seeded by the sample's id so both modes see the same delays. This
   stands in for the long tail of real agent episodes; the sleep is the only thing added. Final
   reward: the held-out pass rate (16 samples) of each run's last policy, to compare at equal reward.
+- threads: the trainer (forward + backward of a G = 4 group) and the engine (prefill + decode of 8
+  sequences) in two processes, as the RL loop runs them: each alone with every core, then side by
+  side with every core each (torch's default) against the cores split between them
+  (`RLConfig.trainer_threads` / `replica_threads`), `--seconds` each way a round.
 """
 
 from __future__ import annotations
@@ -103,6 +107,91 @@ def part_train(tmp: Path, rounds: int) -> dict:
     out["seconds"] = {k: statistics.median(v) for k, v in times.items()}
     out["ratio"] = out["seconds"]["every rollout"] / out["seconds"]["shared prompt"]
     out["ratio_backend"] = out["seconds"]["shared prompt, products on aten"] / out["seconds"]["shared prompt"]
+    return out
+
+
+def _threads_worker(role: str, threads: int, seconds: float, folder: Path, sync: Path) -> None:
+    """One side of `part_threads`, in its own process: load, say ready, wait for the go, then run
+    for `seconds` and print its rate as JSON."""
+    torch.set_num_threads(threads)
+    from opencomposer.model.hf import load_model
+
+    if role == "train":
+        from opencomposer.rl.objective import ObjectiveConfig
+        from opencomposer.rl.trainer import RLTrainer, TrainerConfig
+
+        group, prompt_len = harness_group(folder, completion=600)  # about a real rollout's length here
+        trainer = RLTrainer(load_model(folder), ObjectiveConfig(group_size=4), TrainerConfig(lr=0.0))
+        tokens = prompt_len + 4 * 600
+
+        def work() -> int:
+            trainer.step([group])
+            return tokens
+    else:
+        from opencomposer.inference.engine import Engine, EngineConfig
+        from opencomposer.inference.sampling import SamplingParams
+
+        engine = Engine(load_model(folder).eval(), config=EngineConfig(slots=8, max_len=1100, prefix_cache_mb=0))
+        gen = torch.Generator().manual_seed(0)
+
+        def work() -> int:
+            prompts = torch.randint(100, 40000, (8, 1000), generator=gen)
+            for p in prompts:
+                engine.submit(p.tolist(), SamplingParams(temperature=0.0, max_tokens=64))
+            while engine.has_work():
+                engine.step()
+            return 8 * 64
+    (sync / f"{role}.ready").touch()
+    while not (sync / "go").exists():
+        time.sleep(0.05)
+    n, t = 0, time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        n += work()
+    print(json.dumps({"tokens_per_s": n / (time.perf_counter() - t)}), flush=True)
+
+
+def part_threads(tmp: Path, rounds: int, seconds: float = 60.0) -> dict:
+    """A trainer step's forward+backward and the engine's prefill+decode, each in its own process
+    as in the RL loop (`services = "processes"`): alone with every core, then side by side with
+    every core each (torch's default) and with the cores split (`RLConfig.trainer_threads`,
+    `replica_threads`)."""
+    import os
+    import subprocess
+
+    folder = smollm2(tmp)
+    cpus = len(os.sched_getaffinity(0))
+    half = max(1, cpus // 2)
+
+    def run(sides: dict[str, int]) -> dict[str, float]:
+        sync = Path(tempfile.mkdtemp(dir=tmp))
+        procs = {role: subprocess.Popen([sys.executable, __file__, "--worker", role, "--threads", str(n),
+                                         "--seconds", str(seconds), "--folder", str(folder), "--sync", str(sync)],
+                                        stdout=subprocess.PIPE, text=True) for role, n in sides.items()}
+        deadline = time.monotonic() + 600
+        while not all((sync / f"{r}.ready").exists() for r in sides):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), "a worker died"
+            time.sleep(0.1)
+        (sync / "go").touch()
+        return {r: json.loads(p.communicate(timeout=seconds + 600)[0].strip().splitlines()[-1])["tokens_per_s"]
+                for r, p in procs.items()}
+
+    variants = {"alone": None, f"side by side, {cpus} + {cpus} threads": (cpus, cpus),
+                f"side by side, {half} + {max(1, cpus - half)} threads": (half, max(1, cpus - half))}
+    res: dict[str, dict[str, list[float]]] = {v: {"train": [], "decode": []} for v in variants}
+    for _ in range(rounds):
+        for v, split in variants.items():
+            if split is None:
+                for role in ("train", "decode"):
+                    res[v][role] += [run({role: cpus})[role]]
+            else:
+                r = run({"train": split[0], "decode": split[1]})
+                for role in r:
+                    res[v][role].append(r[role])
+    out = {"cpus": cpus, "seconds": seconds, "rounds": rounds,
+           "tokens_per_s": {v: {r: statistics.median(x) for r, x in d.items()} for v, d in res.items()},
+           "per_round": res}
+    over, split = list(variants)[1:]
+    out["ratio"] = {r: out["tokens_per_s"][split][r] / out["tokens_per_s"][over][r] for r in ("train", "decode")}
     return out
 
 
@@ -229,28 +318,55 @@ def markdown(res: dict, cmd: str, note: str = "") -> str:
                       f"(16 samples each).")
         lines += ["", f"Ratio: **{p['ratio']:.2f}x** samples per minute (goal 1.5x at equal final reward). One run "
                   f"each, not a median. {reward}", ""]
+    if "threads" in res:
+        t = res["threads"]
+        tps = t["tokens_per_s"]
+        lines += [f"**Trainer and replica on the same {t['cpus']} cores** (SmolLM2-135M, two processes as in the RL "
+                  f"loop, {t['seconds']:.0f} s each way a round, {t['rounds']} rounds): the trainer steps on a G = 4 "
+                  "group of 600-token rollouts after the harness prompt (forward + backward, tokens per second of prompt and "
+                  "completions); the engine prefills 8 prompts of 1,000 random tokens and decodes 64 tokens "
+                  "each (generated tokens per second, prefill time included).", "",
+                  "| | trainer tokens / s | engine tokens / s |", "|---|---|---|"]
+        lines += [f"| {v} | {d['train']:.0f} | {d['decode']:.1f} |" for v, d in tps.items()]
+        rounds = "; ".join(f"{v}: " + ", ".join(f"{a:.0f}/{b:.1f}" for a, b in zip(d["train"], d["decode"],
+                                                                                  strict=True))
+                           for v, d in t["per_round"].items())
+        lines += ["", f"Cores split against every core each: trainer **{t['ratio']['train']:.2f}x**, engine "
+                  f"**{t['ratio']['decode']:.2f}x** (medians). The split is what `RLConfig.trainer_threads` and "
+                  "`replica_threads` default to with `services = \"processes\"`. Per round (trainer/engine): "
+                  f"{rounds}.", ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", help="all, or a comma-separated list of train, sync, pipeline")
+    ap.add_argument("--part", default="all", help="all, or a comma-separated list of train, sync, pipeline, threads")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
+    ap.add_argument("--seconds", type=float, default=60.0, help="threads: seconds each side runs a round")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # part_threads' own processes
+    ap.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--sync", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    parts = ["train", "sync", "pipeline"] if args.part == "all" else args.part.split(",")
+    if args.worker:
+        _threads_worker(args.worker, args.threads, args.seconds, args.folder, args.sync)
+        return 0
+    parts = ["train", "sync", "pipeline", "threads"] if args.part == "all" else args.part.split(",")
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         for p in parts:
             d = Path(tmp) / p
             d.mkdir()
             res[p] = {"train": lambda: part_train(d, args.rounds), "sync": lambda: part_sync(d, args.rounds),
-                      "pipeline": lambda: part_pipeline(d, args.steps)}[p]()
+                      "pipeline": lambda: part_pipeline(d, args.steps),
+                      "threads": lambda: part_threads(d, args.rounds, args.seconds)}[p]()
             print(json.dumps(res[p], indent=1, default=str), flush=True)
     for p in parts:  # one section per part, so parts can be measured in separate invocations
         md = markdown({p: res[p]}, f"benchmarks/rl.py --part {p}" + (f" --steps {args.steps}" if p == "pipeline"
-                                                                       else f" --rounds {args.rounds}"), args.note)
+                                                                       else f" --rounds {args.rounds}")
+                      + (f" --seconds {args.seconds:g}" if p == "threads" else ""), args.note)
         write_section(ROOT / "docs" / "benchmarks.md", f"rl-{p}", md)
         print(md)
     return 0

@@ -86,6 +86,10 @@ def test_rl_raises_the_pass_rate_against_its_lr0_control(family, tmp_path):
         steps = [e for e in events if e["kind"] == "step"]
         assert all(e["replica_version"] >= e["version"] - 2 for e in steps)  # the replica kept up
         assert all(e["delta_bytes"] < e["full_bytes"] for e in steps)  # deltas, not full snapshots
+    # the trainer and the replica process split the cores rather than each taking all of them
+    started = next(e for e in read_events(tmp_path / "trained" / "events.jsonl") if e["kind"] == "run_started")
+    cpus = len(os.sched_getaffinity(0))
+    assert started["threads"] == {"trainer": max(1, cpus // 2), "replica": max(1, cpus - max(1, cpus // 2))}
     rows = [json.loads(line) for line in (tmp_path / "trained" / "metrics.jsonl").read_text().splitlines()]
     assert {"reward", "pass_rate", "kl_per_token", "staleness", "tool_calls", "zero_advantage_groups",
             "edit_rate", "broken_calls"} <= set(rows[0])

@@ -121,3 +121,21 @@ def test_the_speedrun_rl_stage_hands_its_settings_to_the_loop():
         .objective.unsolved_groups == "train"
     with pytest.raises(ConfigError):
         load_config(SpeedrunConfig, overrides=["rl.unsolved_groups=sometimes"])
+
+
+def test_the_trainer_and_a_replica_process_split_the_cores(monkeypatch):
+    """With the replica in a process of its own the two compute at once: by default they split the
+    CPUs this process may use; a replica in the driver or a Ray actor keeps torch's default, and
+    explicit values win."""
+    import os
+    from pathlib import Path
+
+    from opencomposer.rl.loop import RLConfig, thread_split
+
+    base = RLConfig(model=Path("m"), tasks=Path("t"))
+    for cpus, want in ((1, (1, 1)), (2, (1, 1)), (3, (1, 2)), (16, (8, 8))):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert thread_split(base) == want
+    assert thread_split(RLConfig(model=Path("m"), tasks=Path("t"), services="threads")) == (0, 0)
+    assert thread_split(RLConfig(model=Path("m"), tasks=Path("t"), services="ray", replica_threads=4)) == (0, 4)
+    assert thread_split(RLConfig(model=Path("m"), tasks=Path("t"), trainer_threads=3)) == (3, 13)  # of 16

@@ -65,6 +65,10 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
              "slots": ns.slots, "max_len": ns.max_len, "speculative": ns.speculative or None,
              "admin_token": ns.admin_token or os.environ.get("OPENCOMPOSER_ADMIN_TOKEN"), "weights": ns.weights}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     try:
         server = make_server(cfg, _data_dir() / "models" / "smollm2-135m-instruct").start()
     except (ModelLoadError, TokenizerError, OSError) as e:

@@ -53,6 +53,9 @@ class ServeConfig:
     port: int = 8000
     slots: int = 32
     max_len: int | None = None
+    threads: int = 0
+    """Torch's intra-op threads for the engine (0: torch's default, one per core). Set it when
+    another process computes on the same cores (an RL trainer beside its replica)."""
     default_max_tokens: int = 512
     max_waiting: int = 256
     """Sequences queued for a slot at most; past it requests get 429 with Retry-After."""
@@ -387,9 +390,12 @@ class Frontend:
              "max_model_len": self.engine.max_len, "policy_version": self.engine.version}]}
 
     def health(self) -> dict:
+        import torch
+
         load = self.engine.load()
         out = {"status": "ok" if load["alive"] else "stopped", "model": self.name,
-               "policy_version": self.engine.version, "running": load["running"], "waiting": load["waiting"]}
+               "policy_version": self.engine.version, "running": load["running"], "waiting": load["waiting"],
+               "threads": torch.get_num_threads()}
         if self.follower is not None:
             out["weights"] = {"store": self.follower.url, "rejected": self.follower.rejected,
                               "refusals": self.follower.refusals[-20:]}

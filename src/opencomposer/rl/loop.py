@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -36,6 +37,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+import torch
 
 from opencomposer.core import memory
 from opencomposer.core.errors import UserError
@@ -111,6 +114,25 @@ class RLConfig:
     of their own that talk to the driver over HTTP and the weight store, threads of the driver, or
     Ray (an actor for the replica, tasks for rollouts and evaluations; `RAY_ADDRESS` or a local
     cluster)."""
+    trainer_threads: int = 0
+    replica_threads: int = 0
+    """Torch threads of the trainer (in the driver) and of the replica process. The two compute at
+    once, so threads past the cores they share make both slower: on this 2-core machine a training
+    forward+backward and the engine's decode, run side by side with 2 threads each, were 2.3x and
+    3.2x slower than with 1 each (`benchmarks/rl.py --part threads`, docs/benchmarks.md). 0: with
+    `services = "processes"` the CPUs this process may use are split between the two (the trainer
+    gets the smaller half); otherwise torch's default (a replica in the driver shares its threads,
+    and a Ray replica may sit on another machine)."""
+
+
+def thread_split(cfg: RLConfig) -> tuple[int, int]:
+    """(trainer threads, replica threads); 0 leaves torch's default (RLConfig.replica_threads)."""
+    trainer, replica = cfg.trainer_threads, cfg.replica_threads
+    if cfg.services == "processes":
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        trainer = trainer or max(1, cpus // 2)
+        replica = replica or max(1, cpus - trainer)
+    return trainer, replica
 
 
 def agent_config(cfg: RLConfig) -> AgentConfig:
@@ -197,6 +219,8 @@ class Run:
         cfg = self.cfg
         kw = dict(slots=cfg.slots, max_len=cfg.max_len, turn_tokens=cfg.turn_tokens)
         if cfg.services in ("processes", "ray"):
+            kw["threads"] = thread_split(cfg)[1]
+        if cfg.services in ("processes", "ray"):
             kind = RayReplica if cfg.services == "ray" else ReplicaProcess
             return kind(cfg.model, self.store_url, self.events, log_dir=self.out / "services", **kw).start()
         return Replica(cfg.model, self.store_url, self.events, **kw).start()
@@ -207,6 +231,9 @@ class Run:
         from opencomposer.sandbox.pool import PoolConfig, SandboxPool
 
         cfg = self.cfg
+        threads_before = torch.get_num_threads()
+        if thread_split(cfg)[0]:
+            torch.set_num_threads(thread_split(cfg)[0])
         store = WeightStore(WeightStoreConfig(url=self.store_url, full_every=cfg.full_every))
         if self.version == 0 and not store.versions():
             self.events.record("published", version=0, **_pub(store.publish(self.trainer.model.to_hf_state(), 0)))
@@ -214,7 +241,9 @@ class Run:
             self._publish(store)
         replica = self.replica = self._replica()
         self.events.record("run_started", version=self.version, trained_groups=len(self.trained),
-                           ready_groups=sorted(self.ready), services=cfg.services)
+                           ready_groups=sorted(self.ready), services=cfg.services,
+                           threads={"trainer": torch.get_num_threads(), "replica": replica.health().get("threads")
+                                    if isinstance(replica, ReplicaProcess) else torch.get_num_threads()})
         pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.workers), max_load_per_cpu=None)) \
             if cfg.services == "threads" else None
         stop = threading.Event()
@@ -307,6 +336,7 @@ class Run:
             if cfg.services == "ray":
                 ray_shutdown()
             self.metrics.close()
+            torch.set_num_threads(threads_before)
         summary.update(version=self.version, trained_groups=len(self.trained), failed_groups=len(self.failed_groups))
         self.events.record("run_finished", **{k: v for k, v in summary.items() if k != "steps"})
         self.events.close()

@@ -51,9 +51,12 @@ class Replica:
     """An inference replica in this process: our server on the current weights, following the store
     (`WeightFollower`). Refusals are recorded in the event log when the driver reads `rejected`."""
 
-    def __init__(self, model: Path, store_url: str, events, *, slots: int, max_len: int | None, turn_tokens: int):
+    def __init__(self, model: Path, store_url: str, events, *, slots: int, max_len: int | None, turn_tokens: int,
+                 threads: int = 0):
         self.model, self.store_url, self.events = model, store_url, events
         self.slots, self.max_len, self.turn_tokens = slots, max_len, turn_tokens
+        self.threads = threads
+        """Torch threads of a replica process (0: torch's default); one in the driver shares its threads."""
         self.server = None
         self._reported = 0
 
@@ -124,6 +127,8 @@ class ReplicaProcess(Replica):
                f"--ready_file={json.dumps(ready)}", f"--default_max_tokens={self.turn_tokens}"]
         if self.max_len:
             cmd += ["--max-len", str(self.max_len)]
+        if self.threads:
+            cmd += [f"--threads={self.threads}"]
         self._log = open(self.log_dir / "replica.log", "ab")  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -464,11 +469,12 @@ class _RayTasks:
 class _ReplicaHost:
     """The Ray actor that starts a replica process on its node and serves on the node's address."""
 
-    def __init__(self, model: str, store_url: str, log_dir: str, slots: int, max_len, turn_tokens: int):
+    def __init__(self, model: str, store_url: str, log_dir: str, slots: int, max_len, turn_tokens: int,
+                 threads: int = 0):
         import ray
 
         self.rep = ReplicaProcess(Path(model), store_url, None, slots=slots, max_len=max_len, turn_tokens=turn_tokens,
-                                  log_dir=Path(log_dir), host=ray.util.get_node_ip_address()).start()
+                                  threads=threads, log_dir=Path(log_dir), host=ray.util.get_node_ip_address()).start()
 
     def url(self) -> str:
         return self.rep.url
@@ -489,7 +495,7 @@ class RayReplica(ReplicaProcess):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         host = ray.remote(num_cpus=0, max_restarts=0)(_ReplicaHost)
         self.actor = host.remote(str(self.model), self.store_url, str(self.log_dir), self.slots, self.max_len,
-                                 self.turn_tokens)
+                                 self.turn_tokens, self.threads)
         try:
             self._url = ray.get(self.actor.url.remote(), timeout=self.START_TIMEOUT_S)
         except Exception as e:
