@@ -190,3 +190,25 @@ def test_dataset_build_is_reused_and_an_interrupted_rebuild_keeps_the_last_good_
         build_default(out, DefaultBenchmarkConfig(sources=("colorsys",), build=BuildConfig(max_single=2, max_multi=0)))
     assert (out / "manifest.json").read_text() == before  # the last good dataset, whole
     assert all(p.name == "ds" or not p.name.startswith(".ds") for p in tmp_path.iterdir())  # no staging left
+
+
+def test_sources_are_built_side_by_side_into_the_same_dataset(tmp_path):
+    """`workers` builds sources at once; the dataset (tasks, order, splits) is the one a build of
+    one source at a time makes, and the fingerprint does not depend on it."""
+    import threading
+
+    from opencomposer.tasks.default import fingerprint
+
+    def build(workers: int) -> tuple[list[dict], set[str]]:
+        threads = set()
+        cfg = DefaultBenchmarkConfig(sources=("colorsys", "graphlib"), workers=workers, held_out_fraction=0.5,
+                                     build=BuildConfig(max_single=0, max_multi=0, renames=2, rename_sites=2))
+        m = build_default(tmp_path / f"w{workers}", cfg,
+                          progress=lambda _m: threads.add(threading.current_thread().name))
+        return m.tasks, {t for t in threads if t.startswith("build")}  # the main thread reports acceptances
+
+    (one, t1), (two, t2) = build(1), build(2)
+    assert len(t1) == 1 and len(t2) == 2  # the second build ran two sources at once
+    assert [t["id"] for t in one] == [t["id"] for t in two] and one == two and len(one) >= 3
+    assert {t["id"].rsplit("-", 1)[0] for t in one} == {"colorsys", "graphlib"}
+    assert fingerprint(DefaultBenchmarkConfig(workers=1)) == fingerprint(DefaultBenchmarkConfig(workers=2))

@@ -119,6 +119,10 @@ class DefaultBenchmarkConfig:
     held_out_fraction: float = 0.3
     sdist_cache: Path | None = None
     """Where PyPI source distributions are kept (default: .sdists beside <out>, outside the swap)."""
+    workers: int = 0
+    """Sources built at once (each source's candidates and gates stay in order); 0: one per CPU.
+    Not part of the fingerprint: every source is built from its own seed, so the tasks do not
+    depend on it."""
 
 
 def fingerprint(cfg: DefaultBenchmarkConfig) -> str:
@@ -129,7 +133,9 @@ def fingerprint(cfg: DefaultBenchmarkConfig) -> str:
     from opencomposer.tasks.builders import deletion, rename
 
     code = "".join(Path(m.__file__).read_text() for m in (deletion, rename, run_tests, environment))
-    blob = json.dumps({"config": to_dict(dataclasses.replace(cfg, sdist_cache=None)), "python": platform.python_version(),
+    config = to_dict(dataclasses.replace(cfg, sdist_cache=None))
+    config.pop("workers")  # how many at once does not change what is built
+    blob = json.dumps({"config": config, "python": platform.python_version(),
                        "stdlib": str(STDLIB), "pypi": PYPI_PACKAGES, "code": hashlib.sha256(code.encode()).hexdigest()},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -178,24 +184,37 @@ def build_default(out: Path, cfg: DefaultBenchmarkConfig = DefaultBenchmarkConfi
     return manifest
 
 
+def _build_source(out: Path, name: str, sources, cfg: DefaultBenchmarkConfig, say):
+    """One source's tasks, proven by the gates: (kept, rejected) or the reason it was skipped."""
+    try:
+        src = sources[name]
+        if src == "pypi":
+            src = pypi_source(name, cfg.sdist_cache or out.parent / ".sdists")
+        paths = build_tasks(src, out, cfg.build, progress=say) if cfg.build.max_single or cfg.build.max_multi \
+            else []
+        if cfg.build.renames:
+            paths += build_renames(src, out, cfg.build.renames, seed=cfg.build.seed, progress=say,
+                                   min_pass_to_pass=cfg.build.min_pass_to_pass, max_sites=cfg.build.rename_sites)
+    except RuntimeError as e:
+        return str(e)
+    return gates.keep_valid(paths)
+
+
 def _build(out: Path, names, sources, cfg: DefaultBenchmarkConfig, say) -> Manifest:
+    from concurrent.futures import ThreadPoolExecutor
+
     manifest = Manifest(name="opencomposer-default", extra={"python": platform.python_version(), "rejected": []})
-    for name in names:
-        try:
-            src = sources[name]
-            if src == "pypi":
-                src = pypi_source(name, cfg.sdist_cache or out.parent / ".sdists")
-            paths = build_tasks(src, out, cfg.build, progress=say) if cfg.build.max_single or cfg.build.max_multi \
-                else []
-            if cfg.build.renames:
-                paths += build_renames(src, out, cfg.build.renames, seed=cfg.build.seed, progress=say,
-                                       min_pass_to_pass=cfg.build.min_pass_to_pass,
-                                       max_sites=cfg.build.rename_sites)
-        except RuntimeError as e:
-            manifest.extra["rejected"].append({"source": name, "reason": str(e)})
-            say(f"skipped {name}: {e}")
+    # Sources are independent (own seed, own task folders), so they are built side by side; the
+    # manifest is assembled in source order whatever finishes first.
+    workers = max(1, min(cfg.workers or os.cpu_count() or 1, len(names)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="build") as pool:
+        results = list(pool.map(lambda n: _build_source(out, n, sources, cfg, say), names))
+    for name, result in zip(names, results, strict=True):
+        if isinstance(result, str):
+            manifest.extra["rejected"].append({"source": name, "reason": result})
+            say(f"skipped {name}: {result}")
             continue
-        kept, rejected = gates.keep_valid(paths)
+        kept, rejected = result
         for p, failed in rejected:
             manifest.extra["rejected"].append({"task": p.name, "gates": {g.name: g.detail for g in failed}})
             say(f"rejected {p.name}: {', '.join(g.name for g in failed)}")
