@@ -117,12 +117,14 @@ class RLConfig:
     trainer_threads: int = 0
     replica_threads: int = 0
     """Torch threads of the trainer (in the driver) and of the replica process. The two compute at
-    once, so threads past the cores they share make both slower: on this 2-core machine a training
-    forward+backward and the engine's decode, run side by side with 2 threads each, were 2.3x and
-    3.2x slower than with 1 each (`benchmarks/rl.py --part threads`, docs/benchmarks.md). 0: with
-    `services = "processes"` the CPUs this process may use are split between the two (the trainer
-    gets the smaller half); otherwise torch's default (a replica in the driver shares its threads,
-    and a Ray replica may sit on another machine)."""
+    once, so threads past the cores they share make both slower: on this 2-core machine, with both
+    busy, 1 thread each ran the trainer 1.53x and the engine 1.79x faster than 2 each
+    (`benchmarks/rl.py --part threads`, docs/benchmarks.md); in a real run, where one side often
+    waits on the other, both sides gained 1.2x (docs/rl.md). 0: with `services = "processes"` the
+    CPUs this process may use are split between the two (the trainer gets the smaller half);
+    otherwise torch's default (a replica in the driver shares its threads, and a Ray replica may
+    sit on another machine). The split is static: a side does not take the other's cores while
+    that one waits."""
 
 
 def thread_split(cfg: RLConfig) -> tuple[int, int]:
@@ -220,7 +222,6 @@ class Run:
         kw = dict(slots=cfg.slots, max_len=cfg.max_len, turn_tokens=cfg.turn_tokens)
         if cfg.services in ("processes", "ray"):
             kw["threads"] = thread_split(cfg)[1]
-        if cfg.services in ("processes", "ray"):
             kind = RayReplica if cfg.services == "ray" else ReplicaProcess
             return kind(cfg.model, self.store_url, self.events, log_dir=self.out / "services", **kw).start()
         return Replica(cfg.model, self.store_url, self.events, **kw).start()

@@ -207,8 +207,11 @@ def _build(out: Path, names, sources, cfg: DefaultBenchmarkConfig, say) -> Manif
     # Sources are independent (own seed, own task folders), so they are built side by side; the
     # manifest is assembled in source order whatever finishes first.
     workers = max(1, min(cfg.workers or os.cpu_count() or 1, len(names)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="build") as pool:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="build")
+    try:
         results = list(pool.map(lambda n: _build_source(out, n, sources, cfg, say), names))
+    finally:  # on Ctrl-C or an error, sources not started yet are not built; the running ones finish
+        pool.shutdown(wait=True, cancel_futures=True)
     for name, result in zip(names, results, strict=True):
         if isinstance(result, str):
             manifest.extra["rejected"].append({"source": name, "reason": result})
