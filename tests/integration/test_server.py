@@ -348,12 +348,26 @@ def test_tool_calls_through_server_and_the_harness_policy(tokenizer):
         assert comp.policy_versions == [0] * len(comp.token_ids) and len(comp.logprobs) == len(comp.token_ids)
 
 
+def _serve_process(cmd: list[str], ready: Path):
+    """`opencomposer serve` started as its own process, returned once its ready file exists."""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    deadline = time.monotonic() + 240
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(proc.stderr.read().decode()[-2000:])
+        time.sleep(0.1)
+    return proc
+
+
 def test_serve_follows_a_weight_store_as_its_own_process(tmp_path, tokenizer):
     """`opencomposer serve --weights STORE` (an RL replica): a process that serves the store's
     newest version, follows new ones in flight, and reports a corrupt one in /health and
     /metrics while it keeps serving the last good weights."""
-    import os
-    import subprocess
     import sys
 
     from opencomposer.inference.weight_store import WeightStore, WeightStoreConfig, _name
@@ -374,15 +388,9 @@ def test_serve_follows_a_weight_store_as_its_own_process(tmp_path, tokenizer):
     folder = _folder(tmp_path / "m", model, tokenizer)  # the replica starts from version 0's weights
     publish(1)
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "opencomposer.cli", "serve", "--model", str(folder), "--port", "0",
-                             "--weights", str(tmp_path / "store"), f"--ready_file={json.dumps(str(ready))}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    proc = _serve_process([sys.executable, "-m", "opencomposer.cli", "serve", "--model", str(folder), "--port", "0",
+                           "--weights", str(tmp_path / "store"), f"--ready_file={json.dumps(str(ready))}"], ready)
     try:
-        deadline = time.monotonic() + 240
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-            time.sleep(0.1)
         base = json.loads(ready.read_text())["url"].removesuffix("/v1")
 
         def health():
@@ -430,20 +438,14 @@ def test_serve_ends_within_its_shutdown_deadline(llama_server, tmp_path, hang):
     `shutdown_timeout_s` has passed when its stop hangs (a fault injected into Engine.stop)."""
     import os
     import signal
-    import subprocess
     import sys
 
     ready = tmp_path / "ready.json"
     args = ["serve", "--model", str(llama_server[1]), "--port", "0", f"--ready_file={json.dumps(str(ready))}",
             "--shutdown_timeout_s=3"]
     cmd = [sys.executable, "-c", HANGING_STOP, *args] if hang else [sys.executable, "-m", "opencomposer.cli", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    proc = _serve_process(cmd, ready)
     try:
-        deadline = time.monotonic() + 240
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-            time.sleep(0.1)
         os.kill(proc.pid, signal.SIGTERM)
         rc = proc.wait(60)
         err = proc.stderr.read().decode()

@@ -232,9 +232,9 @@ class Run:
         from opencomposer.sandbox.pool import PoolConfig, SandboxPool
 
         cfg = self.cfg
-        threads_before = torch.get_num_threads()
-        if thread_split(cfg)[0]:
-            torch.set_num_threads(thread_split(cfg)[0])
+        threads_before, trainer_threads = torch.get_num_threads(), thread_split(cfg)[0]
+        if trainer_threads:
+            torch.set_num_threads(trainer_threads)
         store = WeightStore(WeightStoreConfig(url=self.store_url, full_every=cfg.full_every))
         if self.version == 0 and not store.versions():
             self.events.record("published", version=0, **_pub(store.publish(self.trainer.model.to_hf_state(), 0)))
