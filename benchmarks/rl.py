@@ -5,10 +5,12 @@
 
 - train: one trainer step of SmolLM2-135M on a group of G=4 rollouts sharing a harness prompt (the
   system prompt with the tool schemas of the recipe's four tools and a task, rendered by our chat
-  renderer; 150 completion tokens each, random ids), the shared prompt computed once against
-  every rollout computing it (TrainerConfig.share_prompt), with the KL reference forward on; and
-  the shared-prompt step once more with the products on aten's `F.linear` instead of oneDNN
-  (`model/linear.py`).
+  renderer; 600 completion tokens each, random ids: a recorded `renames-small` group's rollouts
+  add 588-836 tokens to their shared prompt), the shared prompt computed once against
+  every rollout computing it (TrainerConfig.share_prompt), with the KL reference forward on; the
+  shared-prompt step once more with the products on aten's `F.linear` instead of oneDNN
+  (`model/linear.py`); and once more with each rollout's attention over the shared prompt run on
+  zero-padded queries (the aligned causal kernel) instead of SDPA's fused kernel with the mask.
 - sync: publishing a new version to the weight store and loading it on a replica (an XOR-delta
   zstd frame after one real Adam step at lr 1e-6, checksums verified) against a full safetensors
   save and load of the same state, and the bytes each writes.
@@ -52,7 +54,7 @@ def smollm2(tmp: Path) -> Path:
     return folder
 
 
-def harness_group(folder: Path, g: int = 4, completion: int = 150):
+def harness_group(folder: Path, g: int = 4, completion: int = 600):
     from opencomposer.harness import prompt
     from opencomposer.harness.tools import ALL_TOOLS, ToolConfig, build_toolset
     from opencomposer.rl.rollout import Sample
@@ -85,28 +87,39 @@ def part_train(tmp: Path, rounds: int) -> dict:
 
     folder = smollm2(tmp)
     group, prompt_len = harness_group(folder)
-    out = {"prompt_tokens": prompt_len, "completion_tokens": 150, "group_size": len(group)}
+    out = {"prompt_tokens": prompt_len, "completion_tokens": len(group[0].sequences[0].ids) - prompt_len,
+           "group_size": len(group)}
     from opencomposer.model import linear
 
-    variants = {"shared prompt": (True, "onednn"), "every rollout": (False, "onednn"),
-                "shared prompt, products on aten": (True, "aten")}
+    from opencomposer.model import cache
+
+    # (share the prompt, products' backend, a suffix's attention on SDPA's fused kernel with its mask)
+    variants = {"shared prompt": (True, "onednn", True), "every rollout": (False, "onednn", True),
+                "shared prompt, products on aten": (True, "aten", True),
+                "shared prompt, suffix attention over padded queries": (True, "onednn", False)}
     trainers = {name: RLTrainer(load_model(folder), ObjectiveConfig(group_size=4, kl_coef=0.001),
                                 TrainerConfig(lr=0.0, share_prompt=share))
-                for name, (share, _) in variants.items()}
+                for name, (share, _, _) in variants.items()}
     times: dict[str, list[float]] = {k: [] for k in trainers}
     out["backend"] = linear.backend()
+    fused = cache._fused_with_mask
     for _ in range(rounds):  # alternate, so the machine's noise falls on all
         for name, tr in trainers.items():
-            before = linear.set_backend(variants[name][1])
+            _, backend, masked = variants[name]
+            before = linear.set_backend(backend)
+            cache._fused_with_mask = fused if masked else (lambda *a: False)
             try:
                 t = time.perf_counter()
                 tr.step([group])
                 times[name].append(time.perf_counter() - t)
             finally:
                 linear.set_backend(before)
+                cache._fused_with_mask = fused
     out["seconds"] = {k: statistics.median(v) for k, v in times.items()}
     out["ratio"] = out["seconds"]["every rollout"] / out["seconds"]["shared prompt"]
     out["ratio_backend"] = out["seconds"]["shared prompt, products on aten"] / out["seconds"]["shared prompt"]
+    out["ratio_mask"] = (out["seconds"]["shared prompt, suffix attention over padded queries"]
+                         / out["seconds"]["shared prompt"])
     return out
 
 
@@ -287,9 +300,13 @@ def markdown(res: dict, cmd: str, note: str = "") -> str:
                   f"| shared prompt once | {s['shared prompt']:.1f} |", f"| every rollout recomputes it | "
                   f"{s['every rollout']:.1f} |",
                   f"| shared prompt once, products on aten's `F.linear` | {s['shared prompt, products on aten']:.1f} |",
+                  f"| shared prompt once, each suffix's attention over zero-padded queries | "
+                  f"{s['shared prompt, suffix attention over padded queries']:.1f} |",
                   "", f"Shared prompt against every rollout: **{t['ratio']:.2f}x** (exact: tests/unit/"
                   f"test_shared_prompt.py). Products on {t['backend']} (`model/linear.py`) against aten: "
-                  f"**{t['ratio_backend']:.2f}x**.", ""]
+                  f"**{t['ratio_backend']:.2f}x**. A suffix's attention on SDPA's fused kernel with its "
+                  f"lower-right mask (`model/cache.py`) against padding its queries to a causal square: "
+                  f"**{t['ratio_mask']:.2f}x**.", ""]
     if "sync" in res:
         w = res["sync"]
         lines += ["**Weight sync** (SmolLM2-135M, one Adam step at lr 1e-6 between the versions):", "",

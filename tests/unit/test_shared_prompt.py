@@ -153,3 +153,29 @@ def test_the_prefix_stops_where_the_sequences_differ_or_route_differently():
     seqs[1].experts[2] = [[(e + 1) % 8 for e in layer] for layer in seqs[1].experts[2]]
     assert shared_prefix(seqs) == 0  # sampled by another version: its prompt's experts differ
     assert shared_prefix(seqs[:1]) == 0
+
+
+@pytest.mark.parametrize("kv_heads", [3, 9])
+def test_suffix_attention_runs_on_the_fused_kernel_with_its_mask_and_equals_the_padded_causal_one(monkeypatch, kv_heads):
+    """A suffix over a prefix attends through SDPA's fused CPU kernel with an explicit lower-right
+    mask (not padded queries, which compute every padded row too): the same output and gradients."""
+    from opencomposer.model import cache
+
+    g = torch.Generator().manual_seed(0)
+    t, s = 5, 13
+    q, k, v = (torch.randn(1, h, n, 8, generator=g, requires_grad=True)
+               for h, n in ((9, t), (kv_heads, s), (kv_heads, s)))
+    explicit = torch.arange(s)[None] <= torch.arange(s - t, s)[:, None]
+    assert cache._fused_with_mask(q, k, v, explicit, kv_heads != 9)  # the fast path is the one taken here
+
+    def run():
+        out = cache.attend(q, k, v, cache.LowerRightCausal(s - t))
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v))
+        return out.detach(), grads
+
+    masked = run()
+    monkeypatch.setattr(cache, "_fused_with_mask", lambda *a: False)
+    padded = run()
+    torch.testing.assert_close(masked[0], padded[0], atol=1e-6, rtol=1e-5)
+    for a, b in zip(masked[1], padded[1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
