@@ -6,7 +6,8 @@ weights, batches and optimiser), in one run; plus the data pipeline's throughput
 Models: SmolLM2-135M (the embedded default) and the `small-moe` preset (random weights). Both
 loops see the same packed batches from `PackedSampler` and step AdamW (lr 1e-5, clipping at 1.0).
 Ours: `Trainer` (document-masked attention, chunked loss); transformers: `model(ids,
-labels=ids).loss`, backward, clip, step. Rounds alternate; medians of the timed steps.
+labels=ids).loss`, backward, clip, step. Ours also runs under CPU bf16 autocast (`OptimConfig.bf16`),
+the speedrun SFT stage's `bf16` setting. Rounds alternate; medians of the timed steps.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def hf_steps(model, batches, n: int) -> list[float]:
     return times
 
 
-def our_steps(model, batches, n: int, tmp: Path) -> list[float]:
+def our_steps(model, batches, n: int, tmp: Path, bf16: bool = False) -> list[float]:
     from opencomposer.model.loss import IGNORE
     from opencomposer.train.trainer import OptimConfig, PhaseConfig, Trainer
 
@@ -49,7 +50,7 @@ def our_steps(model, batches, n: int, tmp: Path) -> list[float]:
         return ids, seg, ids[:, 1:].masked_fill(seg[:, 1:] != seg[:, :-1], IGNORE)
 
     phase = PhaseConfig(steps=n, seq_len=batches[0][0].shape[1] - 1, lr=1e-5, warmup=0, schedule="constant")
-    hist = Trainer(model, OptimConfig(ckpt_every=10**9), (phase,), tmp / "ck").run(batch, lambda: {})
+    hist = Trainer(model, OptimConfig(ckpt_every=10**9, bf16=bf16), (phase,), tmp / "ck").run(batch, lambda: {})
     return [h["tokens"] / h["tokens_per_second"] for h in hist]  # the step's seconds
 
 
@@ -97,12 +98,13 @@ def main() -> None:
         sampler = PackedSampler(tmp / "ds", seq_len=args.seq, seed=1)
         batches = [sampler.batch(args.batch) for _ in range(args.steps + 1)]
         for name, folder in (("SmolLM2-135M", smol), ("small-moe", moe)):
-            res = {"ours": [], "transformers": []}
+            res = {"ours": [], "ours bf16": [], "transformers": []}
             for r in range(args.rounds):
-                order = ("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")
+                order = ("ours", "ours bf16", "transformers") if r % 2 == 0 else ("transformers", "ours bf16", "ours")
                 for impl in order:
-                    if impl == "ours":
-                        times = our_steps(load_model(folder), batches, args.steps + 1, tmp / f"o{r}")
+                    if impl.startswith("ours"):
+                        times = our_steps(load_model(folder), batches, args.steps + 1, tmp / f"o{r}{impl[-1]}",
+                                          bf16=impl == "ours bf16")
                     else:
                         m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
                         times = hf_steps(m, batches, args.steps + 1)
@@ -113,10 +115,14 @@ def main() -> None:
     cmd = " ".join(["benchmarks/train.py", *sys.argv[1:]])
     lines = ["## Training throughput (`benchmarks/train.py`)", "",
              f"Reproduce: `.venv/bin/python {cmd}` — batch {args.batch} x {args.seq} packed tokens, AdamW, clipping, "
-             f"float32, {args.rounds} alternating rounds x {args.steps} timed steps, medians.", "",
-             "| model | ours tok/s | plain transformers loop tok/s | ratio |", "|---|---|---|---|"]
+             f"float32 weights, {args.rounds} alternating rounds x {args.steps} timed steps, medians; `ours bf16` is "
+             "the same trainer under CPU bf16 autocast (`OptimConfig.bf16`: products and attention in bfloat16, "
+             f"float32 weights, optimiser and loss). {torch.get_num_threads()} torch threads.", "",
+             "| model | ours tok/s | ours bf16 tok/s | plain transformers loop tok/s | ours / transformers | "
+             "ours bf16 / ours |", "|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['ours']:.0f} | {r['transformers']:.0f} | **{r['ours'] / r['transformers']:.2f}x** |")
+        lines.append(f"| {name} | {r['ours']:.0f} | {r['ours bf16']:.0f} | {r['transformers']:.0f} | "
+                     f"**{r['ours'] / r['transformers']:.2f}x** | **{r['ours bf16'] / r['ours']:.2f}x** |")
     lines += ["", f"Data pipeline ({data['documents']} stdlib files, {data['tokens']:,} tokens): building the mix "
               f"(read, filter, dedup, tokenise, write) {data['build_tok_s']:,.0f} tokens/s; packed sampling "
               f"{data['sample_tok_s']:,.0f} tokens/s; padding waste 0% with packing vs "

@@ -40,6 +40,10 @@ class SFTStageConfig:
     a step at this length is ~2.5 TFLOP for SmolLM2 (about 25 s on two cores)."""
     batch_size: int = 1
     lr: float = 1e-5
+    bf16: bool = False
+    """Products and attention under CPU bf16 autocast (`OptimConfig.bf16`; weights, optimiser and
+    loss stay float32). Fast where the CPU has bf16 instructions (AVX-512 BF16, AMX): measured in
+    `benchmarks/train.py`. SFT has no train/serve contract to keep; RL's trainer stays float32."""
 
 
 def _base_evals(folder: Path, cfg: CPTStageConfig) -> dict:
@@ -88,7 +92,8 @@ def run_sft(cfg: SFTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: 
     scfg = sft.SFTConfig(model=str(base), data=tuple(map(str, data)),
                          phases=(PhaseConfig(name="sft", steps=cfg.steps, seq_len=cfg.seq_len, lr=cfg.lr, warmup=1,
                                              schedule="constant"),),
-                         optim=OptimConfig(batch_size=cfg.batch_size, ckpt_every=10**6, checkpoint_at_end=False))
+                         optim=OptimConfig(batch_size=cfg.batch_size, bf16=cfg.bf16, ckpt_every=10**6,
+                                           checkpoint_at_end=False))
     summary = sft.run(scfg, run_dir=RunDir.open(run_dir.stage("sft")), progress=progress)
     run_dir.write_json("sft/summary.json", summary)
     metrics.log(stage="sft", loss_before=summary["loss_before"], loss_after=summary["loss_after"])
