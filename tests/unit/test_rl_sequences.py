@@ -71,3 +71,35 @@ def test_trajectory_token_arrays_round_trip_and_fail_clearly(tmp_path):
                         segments=[Segment(0, completions=[comp([1], [2], experts=[[[1], [1, 2]]])])])
     assert Trajectory.load(ragged.save(tmp_path / "r.json")).segments[0].completions[0]["routed_experts"] == \
         [[[1], [1, 2]]]
+
+
+def test_the_policy_calls_that_failed_a_tool_call_are_found_and_their_tokens_located():
+    """`completions_with_failed_calls` finds each policy call that issued a broken call or a failed
+    edit (by the tool call's id, within its segment: ids repeat across segments), and a merged
+    sequence knows which of its trained tokens each call sampled."""
+    from opencomposer.rl.rewards import completions_with_failed_calls
+
+    def call(i):
+        return [{"id": f"c{i}", "name": "search_replace", "arguments": "{}"}]
+
+    a, b, c = comp([1, 2], [3, 4]), comp([1, 2, 3, 4, 9], [5, 6, 7]), comp([1, 2, 3, 4, 9, 5, 6, 7, 9], [8])
+    traj = {"segments": [{"completions": [{**a, "tool_calls": call(0)}, {**b, "tool_calls": call(1)},
+                                          {**c, "tool_calls": []}]},
+                         {"completions": [{**comp([1], [2]), "tool_calls": call(1)}]}],
+            "tool_calls": [{"segment": 0, "id": "c0", "name": "search_replace", "error_type": None},
+                           {"segment": 0, "id": "c1", "name": "search_replace", "error_type": "NoMatch"},
+                           {"segment": 1, "id": "c1", "name": "search_replace", "error_type": None}]}
+    assert completions_with_failed_calls(traj) == {(0, 1)}
+    traj["tool_calls"][2]["error_type"] = "MalformedArguments"  # a broken call counts too
+    assert completions_with_failed_calls(traj) == {(0, 1), (1, 0)}
+    traj["tool_calls"][0]["error_type"] = "NoMatch"
+    traj["tool_calls"][0]["name"] = "grep"  # a search that found nothing is not a failed edit
+    assert completions_with_failed_calls(traj) == {(0, 1), (1, 0)}
+
+    seqs, _ = build_sequences(traj)
+    assert seqs[0].completions == [0, 1, 2] and seqs[0].completion_tokens == [2, 3, 1]
+    seqs[0].failed_calls = [1]
+    assert seqs[0].token_factors(0.0) == [1, 1, 0, 0, 0, 1]
+    assert seqs[0].token_factors(1.0) is None  # nothing scaled
+    seqs[0].completion_tokens = []  # a record written before the field existed: left as it is
+    assert seqs[0].token_factors(0.0) is None

@@ -98,3 +98,44 @@ def test_rollouts_at_advantage_0_are_not_forwarded_and_the_gradient_is_the_same(
     torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_a_passing_rollouts_failed_calls_get_no_credit_and_a_failing_rollouts_keep_their_blame():
+    """`failed_call_credit = 0`: the tokens of a policy call that failed a tool call get no share of
+    a positive advantage (the gradient equals the one computed by hand with those tokens' advantage
+    at 0), while a negative advantage still reaches every token of its rollout."""
+    from opencomposer.rl.forward import sequence_logprobs
+    from opencomposer.rl.objective import token_loss
+    from opencomposer.rl.trainer import sampled
+
+    def model():
+        torch.manual_seed(0)
+        return LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    group = samples(200)  # rewards 1, 0, 0, 1: advantages 0.5, -0.5, -0.5, 0.5
+    for s in group:  # two policy calls each: the first 3 trained tokens, then the rest
+        q = s.sequences[0]
+        q.completions, q.completion_tokens, q.failed_calls = [0, 1], [3, q.trained_tokens - 3], [1]
+    cfg = ObjectiveConfig(group_size=4, kl_coef=0.0, failed_call_credit=0.0)
+    got = {}
+    for credit in (0.0, 1.0):
+        m = model()
+        trainer = RLTrainer(m, ObjectiveConfig(group_size=4, kl_coef=0.0, failed_call_credit=credit),
+                            TrainerConfig(lr=1e-3, share_prompt=False))
+        trainer.opt.step = lambda m=m, c=credit: got.update({c: {n: p.grad.clone() for n, p in m.named_parameters()}})
+        stats = trainer.step([group])
+        assert stats.get("scaled_tokens", 0) == (sum(group[i].trained_tokens - 3 for i in (0, 3)) if credit == 0 else 0)
+    assert any(not torch.allclose(got[0.0][n], got[1.0][n]) for n in got[0.0])  # the setting changes the step
+
+    ref = model()
+    for s, a in zip(group, (0.5, -0.5, -0.5, 0.5)):
+        q = s.sequences[0]
+        adv = torch.full((q.trained_tokens,), a)
+        if a > 0:
+            adv[3:] = 0.0
+        loss, _ = token_loss(sequence_logprobs(ref, q), sampled(q), adv, cfg)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[0.0][n], p.grad, rtol=1e-4, atol=1e-7, msg=n)

@@ -100,13 +100,34 @@ def effort(traj, w: EffortWeights = EffortWeights()) -> float:
     return x
 
 
+def _broken(call) -> bool:
+    return _get(call, "error_type") in BROKEN_CALLS
+
+
+def _failed_edit(call) -> bool:
+    return _get(call, "name") in EDIT_TOOLS and _get(call, "error_type") in FAILED_EDITS
+
+
 def broken_calls(traj) -> int:
-    return sum(1 for t in _get(traj, "tool_calls", []) or [] if _get(t, "error_type") in BROKEN_CALLS)
+    return sum(1 for t in _get(traj, "tool_calls", []) or [] if _broken(t))
 
 
 def failed_edits(traj) -> int:
-    return sum(1 for t in _get(traj, "tool_calls", []) or []
-               if _get(t, "name") in EDIT_TOOLS and _get(t, "error_type") in FAILED_EDITS)
+    return sum(1 for t in _get(traj, "tool_calls", []) or [] if _failed_edit(t))
+
+
+def completions_with_failed_calls(traj) -> set[tuple[int, int]]:
+    """(segment, completion index) of every policy call that issued a broken call or a failed edit
+    (what `broken_calls` and `failed_edits` count), matched by the tool call's id within its
+    segment. `ObjectiveConfig.failed_call_credit` uses them."""
+    failed = {(_get(t, "segment", 0), _get(t, "id")) for t in _get(traj, "tool_calls", []) or []
+              if _broken(t) or _failed_edit(t)}
+    out = set()
+    for si, seg in enumerate(_get(traj, "segments", []) or []):
+        for ci, comp in enumerate(_get(seg, "completions", []) or []):
+            if any((si, _get(tc, "id")) in failed for tc in _get(comp, "tool_calls", []) or []):
+                out.add((si, ci))
+    return out
 
 
 def unfinished_todos(traj) -> int:

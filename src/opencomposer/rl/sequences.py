@@ -40,6 +40,19 @@ class RLSequence:
     completions: list[int] = field(default_factory=list)
     """Indices (within the segment) of the completions this sequence holds."""
     sampling: dict | None = None
+    completion_tokens: list[int] = field(default_factory=list)
+    """Trained tokens of each completion in `completions`, in order (empty in records written before
+    it existed)."""
+    failed_calls: list[int] = field(default_factory=list)
+    """Those of `completions` that issued a broken call or a failed edit (`rl/rewards.py`)."""
+
+    def token_factors(self, failed: float) -> list[float] | None:
+        """Per trained token: `failed` on the tokens of a completion in `failed_calls`, 1 elsewhere;
+        None when nothing is scaled (or the record does not say which tokens are whose)."""
+        if failed == 1.0 or not self.failed_calls or sum(self.completion_tokens) != self.trained_tokens:
+            return None
+        return [failed if ci in self.failed_calls else 1.0
+                for ci, n in zip(self.completions, self.completion_tokens) for _ in range(n)]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -90,7 +103,8 @@ def _start(comp: Any, segment: int, index: int) -> RLSequence:
                       logprobs=[0.0] * len(prompt) + [float(x) for x in _get(comp, "logprobs")],
                       versions=[-1] * len(prompt) + list(versions),
                       experts=[list(e) for e in experts] if experts is not None else None,
-                      segment=segment, completions=[index], sampling=_get(comp, "sampling"))
+                      segment=segment, completions=[index], sampling=_get(comp, "sampling"),
+                      completion_tokens=[len(ids)])
 
 
 def _extend(seq: RLSequence, comp: Any, index: int) -> None:
@@ -105,6 +119,7 @@ def _extend(seq: RLSequence, comp: Any, index: int) -> None:
     # The later record covers the whole prefix and agrees with the earlier one there (`_mergeable`).
     seq.experts = [list(e) for e in experts] if experts is not None and seq.experts is not None else None
     seq.completions.append(index)
+    seq.completion_tokens.append(len(ids))
 
 
 _NOT_DISTRIBUTION = ("seed", "max_tokens", "stop", "stop_token_ids", "top_logprobs")

@@ -45,6 +45,9 @@ class RLStageConfig:
     negative_advantages: float = 1.0
     """The factor on advantages below the group mean (`ObjectiveConfig.negative_advantages`): 1 is
     Dr. GRPO, 0 trains only on the rollouts that beat their group."""
+    failed_call_credit: float = 1.0
+    """The factor on a positive advantage for the tokens of a policy call that broke a call or
+    failed an edit (`ObjectiveConfig.failed_call_credit`): 1 is Dr. GRPO's credit, 0 none."""
     services: Literal["processes", "threads", "ray"] = "processes"
     """Where the replica and rollout workers run (`RLConfig.services`): "ray" puts them on a Ray
     cluster (`RAY_ADDRESS`, or a local one for the stage). The speedrun's agent evaluations run
@@ -76,7 +79,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
-                                              negative_advantages=cfg.negative_advantages),
+                                              negative_advantages=cfg.negative_advantages,
+                                              failed_call_credit=cfg.failed_call_credit),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services)
 

@@ -107,7 +107,14 @@ class RLTrainer:
                     logp = (shared.logprobs(seq) if shared is not None and qi == 0
                             else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
                     ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
-                    loss, st = token_loss(logp, sampled(seq), torch.tensor(a), cfg, logp_ref=ref)
+                    factors = seq.token_factors(cfg.failed_call_credit) if a > 0 else None
+                    if factors is not None:  # a passing rollout's failed calls: less (or no) credit
+                        advantage = a * torch.tensor(factors)
+                        stats["uncredited_tokens"] = stats.get("uncredited_tokens", 0) + factors.count(0.0)
+                        stats["scaled_tokens"] = stats.get("scaled_tokens", 0) + sum(f != 1.0 for f in factors)
+                    else:
+                        advantage = torch.tensor(a)
+                    loss, st = token_loss(logp, sampled(seq), advantage, cfg, logp_ref=ref)
                     loss.backward()
                     stats["loss"] += float(loss.detach())
                     stats["trained_tokens"] += st["tokens"]
