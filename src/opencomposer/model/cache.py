@@ -190,11 +190,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
     gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, LowerRightCausal):
         t, s = q.shape[2], k.shape[2]
-        explicit = torch.arange(s, device=q.device)[None] <= torch.arange(s - t, s, device=q.device)[:, None]
         # with a mask the kernel computes every (query, key) pair, t * s of them; the padded causal
         # kernel skips the blocks above the diagonal, s * s / 2: the mask pays where t <= s / 2
-        if 2 * t <= s and _fused_with_mask(q, k, v, explicit, gqa):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=explicit, scale=scale, enable_gqa=gqa)
+        if 2 * t <= s:
+            explicit = torch.arange(s, device=q.device)[None] <= torch.arange(s - t, s, device=q.device)[:, None]
+            if _fused_with_mask(q, k, v, explicit, gqa):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=explicit, scale=scale, enable_gqa=gqa)
         # zero queries in front make the queries and keys aligned; their rows are dropped (no gradient)
         pad = q.new_zeros(q.shape[0], q.shape[1], mask.offset, q.shape[3])
         out = F.scaled_dot_product_attention(torch.cat([pad, q], dim=2), k, v, is_causal=True, scale=scale,

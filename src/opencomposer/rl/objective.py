@@ -60,7 +60,8 @@ class ObjectiveConfig:
     token, failed calls included, and the policy collapsed into repeating them (rollouts of ~270
     tokens grew to ~1,000 in 6 steps, 82 broken calls in a step), with one group a step and with
     two; the reward's per-call terms lower such a rollout's advantage but leave it positive
-    wherever its group has a failure."""
+    wherever its group has a failure. At 0 the two-group run did not collapse, and still ended
+    below its start (docs/rl.md)."""
 
     def __post_init__(self):
         _check_negative(self.negative_advantages)

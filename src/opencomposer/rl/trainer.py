@@ -110,7 +110,6 @@ class RLTrainer:
                     factors = seq.token_factors(cfg.failed_call_credit) if a > 0 else None
                     if factors is not None:  # a passing rollout's failed calls: less (or no) credit
                         advantage = a * torch.tensor(factors)
-                        stats["uncredited_tokens"] = stats.get("uncredited_tokens", 0) + factors.count(0.0)
                         stats["scaled_tokens"] = stats.get("scaled_tokens", 0) + sum(f != 1.0 for f in factors)
                     else:
                         advantage = torch.tensor(a)

@@ -42,8 +42,8 @@ class SFTStageConfig:
     lr: float = 1e-5
     bf16: bool = False
     """Products and attention under CPU bf16 autocast (`OptimConfig.bf16`; weights, optimiser and
-    loss stay float32). Fast where the CPU has bf16 instructions (AVX-512 BF16, AMX): measured in
-    `benchmarks/train.py`. SFT has no train/serve contract to keep; RL's trainer stays float32."""
+    loss stay float32). Fast where the CPU computes bf16 products natively (this machine's AVX-512
+    BF16: `benchmarks/train.py`). SFT has no train/serve contract to keep; RL's trainer stays float32."""
 
 
 def _base_evals(folder: Path, cfg: CPTStageConfig) -> dict:
