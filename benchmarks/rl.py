@@ -89,9 +89,7 @@ def part_train(tmp: Path, rounds: int) -> dict:
     group, prompt_len = harness_group(folder)
     out = {"prompt_tokens": prompt_len, "completion_tokens": len(group[0].sequences[0].ids) - prompt_len,
            "group_size": len(group)}
-    from opencomposer.model import linear
-
-    from opencomposer.model import cache
+    from opencomposer.model import cache, linear
 
     # (share the prompt, products' backend, a suffix's attention on SDPA's fused kernel with its mask)
     variants = {"shared prompt": (True, "onednn", True), "every rollout": (False, "onednn", True),
