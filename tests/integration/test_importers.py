@@ -9,12 +9,13 @@ import os
 import subprocess
 
 from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
+from opencomposer.sandbox import reaper
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.tasks import gates
 from opencomposer.tasks.builders.harbor import dockerfile_facts, import_harbor
 from opencomposer.tasks.builders.importers import ImportConfig, import_swebench, import_swesmith, node_to_junit
 from opencomposer.tasks.format import Task
-from opencomposer.tasks.grade import grade_patch
+from opencomposer.tasks.grade import grade_patch, grading_config
 from opencomposer.tasks.patch import GIT_ENV
 
 CALC_BUG = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
@@ -239,6 +240,11 @@ def test_harbor_task(tmp_path):
     assert (task.repo / "tests" / "test_app.py").exists() and not (task.repo / "Dockerfile").exists()
     assert "iniconfig" in task.spec.environment.requirements
     calibrate(root, tmp_path)
+    # The reward folder is this process's sandbox state (the reaper removes it if we are SIGKILLed
+    # mid-grade), and gone after grading.
+    with grading_config(task, task.sandbox_config()) as (_, reward_dir):
+        assert reward_dir.is_dir() and reward_dir.parent.name == f"owner-{reaper.owner_id()}"
+    assert not reward_dir.exists()
     # An agent that writes its own reward file cannot pass: /logs/verifier is the grader's alone.
     cheat = ("diff --git a/cheat.sh b/cheat.sh\nnew file mode 100644\n--- /dev/null\n+++ b/cheat.sh\n@@ -0,0 +1 @@\n"
              "+echo 1 > /logs/verifier/reward.txt\n")

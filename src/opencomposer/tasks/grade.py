@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Literal
 
 from opencomposer.sandbox.base import SandboxConfig, SandboxError
-from opencomposer.sandbox.local import LocalSandbox, Workspace
+from opencomposer.sandbox.local import LocalSandbox, Workspace, owner_dir
+from opencomposer.sandbox.reaper import default_state_root
 from opencomposer.tasks.format import Task
 from opencomposer.tasks.junit import JunitError, parse_junit
 
@@ -68,15 +69,20 @@ class GradeResult:
 @contextmanager
 def grading_config(task: Task, base: SandboxConfig):
     """The sandbox config to grade `task` in: its verifier mounts, plus a fresh folder for a reward
-    file. Yields (config, reward folder or None)."""
+    file when the task has one. Yields (config, reward folder or None).
+
+    The folder lives in this process's sandbox state folder (`sandbox/reaper.py`), not in /tmp: a
+    grader SIGKILLed mid-grade cannot remove it, and the next owner's reaper then does."""
     spec = task.spec.verifier
     mounts = [f"{task.root / rel}:{dst}" for rel, dst in (m.split(":", 1) for m in spec.mounts)]
-    with tempfile.TemporaryDirectory(prefix="oc-reward-") as tmp:
-        reward_dir = None
-        if spec.reward_file:
-            reward_dir = Path(tmp)
-            reward_dir.chmod(0o777)
-            mounts.append(f"{reward_dir}:{posixpath.dirname(spec.reward_file)}:rw")
+    if not spec.reward_file:
+        yield dataclasses.replace(base, mounts=(*base.mounts, *mounts)), None
+        return
+    state = owner_dir(Path(base.state_dir) if base.state_dir else default_state_root())
+    with tempfile.TemporaryDirectory(prefix="reward-", dir=state) as tmp:
+        reward_dir = Path(tmp)
+        reward_dir.chmod(0o777)
+        mounts.append(f"{reward_dir}:{posixpath.dirname(spec.reward_file)}:rw")
         yield dataclasses.replace(base, mounts=(*base.mounts, *mounts)), reward_dir
 
 
