@@ -37,3 +37,20 @@ def test_task_message_layout():
     assert m["role"] == "user"
     assert c.index("<recent_files>") < c.index("<previous_user_messages>") < c.index("<summary_of_earlier_work")
     assert c.index("<todos>") < c.index("<user_query>") and 'count="2"' in c and c.rstrip().endswith("</user_query>")
+
+
+def test_working_style_names_only_the_tools_the_agent_has():
+    from opencomposer.harness.tools import ALL_TOOLS
+
+    full = prompt.system_message("/workspace", "")["content"]
+    assert prompt.system_message("/workspace", "", tuple(t.name for t in ALL_TOOLS))["content"] == full
+    for name in ("codebase_search", "glob_file_search", "write_file", "read_lints", "todo_write"):
+        assert name in full
+    four = ("grep", "read_file", "search_replace", "run_terminal_cmd")
+    text = prompt.system_message("/workspace", "", four)["content"]
+    assert "- Find the relevant code first (grep, read_file), then edit it (search_replace for edits), then check " \
+           "your work (run the tests or the program with run_terminal_cmd)." in text
+    for absent in ("codebase_search", "glob_file_search", "write_file", "read_lints", "todo_write"):
+        assert absent not in text
+    assert prompt.working_style(["search_replace"]).startswith("- Edit it (search_replace for edits).")
+    assert prompt.working_style([]).startswith("- Follow the conventions")

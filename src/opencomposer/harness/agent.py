@@ -140,7 +140,7 @@ class Agent:
         ctx = ToolContext(self.sandbox, cfg.tools, self.index)
         rules = prompt.read_rules(self.sandbox)
         recent = list(recent) if recent is not None else prompt.recent_files(self.sandbox)
-        system = prompt.system_message(self.sandbox.config.workdir, rules)
+        system = prompt.system_message(self.sandbox.config.workdir, rules, tuple(self.toolset.tools))
         messages = [system, prompt.task_message(task, recent=recent, history=history)]
         schemas = self.toolset.schemas()
         traj.extra["tools"] = schemas  # what every call of every segment was rendered with (SFT reads it)

@@ -20,17 +20,44 @@ with no network access. You make real changes to the repository with your tools 
 done, then reply with a short summary of what you changed.
 
 Working style:
-- Find the relevant code first (codebase_search, grep, glob_file_search, read_file), then edit it \
-(search_replace for edits, write_file for new files), then check your work (run the tests or the \
-program with run_terminal_cmd, read_lints for Python).
-- Follow the conventions and abstractions already in the codebase. Keep changes focused on the request.
-- For work with several steps, keep a todo list with todo_write and update it as you go.
+{style}
 
 Tool use:
 - Call tools through the function-calling interface; arguments are JSON objects matching each tool's schema.
 - Independent calls (e.g. reading several files) can be made together in one turn: they run in parallel.
 - Paths are relative to {workdir}. Every result comes back as a tool message; errors say what was wrong.
 - When the request is fully done, answer without calling any tool."""
+
+# The working style names only the tools the agent has: a prompt that recommends `write_file` or
+# `todo_write` to an agent restricted to four tools (the speedrun's) invites calls that can only fail.
+# Each clause is (tool, text); with every tool present the text is the one the harness always had.
+_FIND = (("codebase_search", "codebase_search"), ("grep", "grep"), ("glob_file_search", "glob_file_search"),
+         ("read_file", "read_file"))
+_EDIT = (("search_replace", "search_replace for edits"), ("write_file", "write_file for new files"))
+_CHECK = (("run_terminal_cmd", "run the tests or the program with run_terminal_cmd"),
+          ("read_lints", "read_lints for Python"))
+_CONVENTIONS = "- Follow the conventions and abstractions already in the codebase. Keep changes focused on the request."
+_TODOS = "- For work with several steps, keep a todo list with todo_write and update it as you go."
+
+
+def working_style(tools: Sequence[str] | None = None) -> str:
+    """The system prompt's working-style lines for an agent with `tools` (None: every tool)."""
+    def pick(clauses):
+        return ", ".join(text for name, text in clauses if tools is None or name in tools)
+
+    find, edit, check = pick(_FIND), pick(_EDIT), pick(_CHECK)
+    steps = [f"Find the relevant code first ({find})" if find else "",
+             f"edit it ({edit})" if edit else "", f"check your work ({check})" if check else ""]
+    steps = [x for x in steps if x]
+    lines = []
+    if steps:
+        first = ", then ".join(steps)
+        lines.append("- " + first[0].upper() + first[1:] + ".")
+    lines.append(_CONVENTIONS)
+    if tools is None or "todo_write" in tools:
+        lines.append(_TODOS)
+    return "\n".join(lines)
+
 
 SUMMARIZE_PROMPT = """Your context is nearly full. Write a summary that lets you continue the task from it \
 alone: the user's request, what you have learned about the codebase (files, functions, conventions), what \
@@ -61,8 +88,9 @@ def recent_files(sandbox, limit: int = 15) -> list[str]:
     return [ln for ln in r.stdout.splitlines() if ln.strip()] if r.exit_code == 0 else []
 
 
-def system_message(workdir: str, rules: str) -> dict:
-    text = SYSTEM.format(workdir=workdir)
+def system_message(workdir: str, rules: str, tools: Sequence[str] | None = None) -> dict:
+    """The system message; `tools` are the names of the tools the agent has (None: every tool)."""
+    text = SYSTEM.format(workdir=workdir, style=working_style(tools))
     if rules:
         text += "\n\nThe repository's own rules (follow them):\n" + rules
     return {"role": "system", "content": text}
