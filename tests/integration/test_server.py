@@ -222,8 +222,8 @@ def test_many_clients_at_once_get_their_own_answers(llama_server, tokenizer):
         assert (recompute(srv, prompt, ext["token_ids"]) - torch.tensor(ext["logprobs"])).abs().max() < 1e-4
 
 
-def _admin(srv, body: dict, token: str | None = ADMIN):
-    req = urllib.request.Request(srv.url.removesuffix("/v1") + "/admin/weights", data=json.dumps(body).encode(),
+def _admin(srv, body: dict, token: str | None = ADMIN, what: str = "weights"):
+    req = urllib.request.Request(srv.url.removesuffix("/v1") + f"/admin/{what}", data=json.dumps(body).encode(),
                                  method="POST", headers={"Content-Type": "application/json",
                                                          **({"Authorization": f"Bearer {token}"} if token else {})})
     try:
@@ -266,6 +266,27 @@ def test_in_flight_weight_update_through_the_admin_endpoint(llama_server, tmp_pa
     if result["r"].choices[0].finish_reason == "length":  # the sequence ran past the swap
         assert versions[-1] == v0 + 1
     assert client.models.list().data[0].model_extra["policy_version"] == v0 + 1
+
+
+def test_admin_threads_reach_the_engine_at_its_next_step(llama_server, client):
+    """What an RL driver uses to lend its trainer's cores to the replica (`RLConfig.lend_threads`)."""
+    srv, _ = llama_server
+    health = srv.url.removesuffix("/v1") + "/health"
+    before = json.loads(urllib.request.urlopen(health, timeout=10).read())["threads"]
+    want = 2 if before != 2 else 1
+    assert _admin(srv, {"threads": want}, token=None, what="threads")[0] == 401
+    for bad in ({"threads": 0}, {"threads": "2"}, {"threads": True}, {"threads": 10_000}, {}):
+        code, err = _admin(srv, bad, what="threads")
+        assert code == 400 and "threads" in err["error"]["message"]
+    try:
+        code, ok = _admin(srv, {"threads": want}, what="threads")
+        assert code == 200 and ok["threads"] == want
+        client.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=2, temperature=0)  # a step
+        assert json.loads(urllib.request.urlopen(health, timeout=10).read())["threads"] == want == srv.engine.threads
+    finally:
+        srv.engine.set_threads(before)
+        client.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=2, temperature=0)
+    assert srv.engine.threads == before
 
 
 def test_moe_server_returns_routed_experts_that_replay(tmp_path, tokenizer):

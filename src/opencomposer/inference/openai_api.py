@@ -12,6 +12,7 @@ What RL needs is returned under a namespaced extension field of each choice (the
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 import uuid
@@ -309,13 +310,27 @@ class Frontend:
             metric(f"{k}_total", "counter", v, k.replace("_", " "))
         return "\n".join(lines) + "\n"
 
-    def admin_weights(self, body: dict, auth: str | None) -> dict:
+    def _admin(self, auth: str | None) -> None:
         token = self.config.admin_token
         if not token:
             raise RequestError(403, "the admin endpoint is disabled (start the server with --admin-token)",
                                kind="permission_error")
         if not auth or not secrets.compare_digest(auth, f"Bearer {token}"):
             raise RequestError(401, "missing or wrong admin bearer token", kind="authentication_error")
+
+    def admin_threads(self, body: dict, auth: str | None) -> dict:
+        """Set the engine's torch threads from its next step on (bounded by the CPUs this process may use)."""
+        self._admin(auth)
+        n = body.get("threads")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cpus:
+            raise RequestError(400, f"body must be {{'threads': int}} with 1 <= threads <= {cpus} (this process's "
+                                    "CPUs)", "threads")
+        self.engine.set_threads(n)
+        return {"threads": n, "applied": self.engine.threads}
+
+    def admin_weights(self, body: dict, auth: str | None) -> dict:
+        self._admin(auth)
         path, version = body.get("path"), body.get("version")
         if not isinstance(path, str) or not isinstance(version, int) or isinstance(version, bool):
             raise RequestError(400, "body must be {'path': str, 'version': int, 'checksum'?: sha256 hex}")
@@ -390,12 +405,10 @@ class Frontend:
              "max_model_len": self.engine.max_len, "policy_version": self.engine.version}]}
 
     def health(self) -> dict:
-        import torch
-
         load = self.engine.load()
         out = {"status": "ok" if load["alive"] else "stopped", "model": self.name,
                "policy_version": self.engine.version, "running": load["running"], "waiting": load["waiting"],
-               "threads": torch.get_num_threads()}
+               "threads": self.engine.threads}
         if self.follower is not None:
             out["weights"] = {"store": self.follower.url, "rejected": self.follower.rejected,
                               "refusals": self.follower.refusals[-20:]}

@@ -4,7 +4,8 @@
 
 Endpoints: POST /v1/chat/completions (tools, tool_choice auto|none, stream, n, logprobs,
 top_logprobs, seed, stop), POST /v1/completions, GET /v1/models, GET /health, GET /metrics
-(Prometheus text), POST /admin/weights (bearer token: load a new weight version in flight), and
+(Prometheus text), POST /admin/weights (bearer token: load a new weight version in flight), POST /admin/threads
+(bearer token: the engine's torch threads from its next step on), and
 the OpenAPI schema at /openapi.json. The API's logic is `inference/openai_api.py`; this module is
 transport only: async handlers, SSE streaming, limits.
 
@@ -255,6 +256,11 @@ def build_app(fe: Frontend):
         except _ClientGone:
             return JSONResponse({}, status_code=499)
         return fe.completions_response(body, ids, seqs)
+
+    @app.post("/admin/threads", openapi_extra=_BODY_SCHEMA)
+    async def admin_threads(request: Request):
+        body = await read_body(request)
+        return fe.admin_threads(body, request.headers.get("authorization"))
 
     @app.post("/admin/weights", openapi_extra=_BODY_SCHEMA)
     async def admin_weights(request: Request):

@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -89,6 +90,11 @@ class Replica:
         self._reported = len(refusals)
         return len(refusals)
 
+    def set_threads(self, n: int) -> bool:
+        """Give the replica's engine `n` threads from its next step on; False where that is not
+        this replica's to change (a replica in the driver shares the trainer's threads)."""
+        return False
+
     def alive(self) -> bool:
         return self.server is not None and self.server.engine.load()["alive"]
 
@@ -116,6 +122,9 @@ class ReplicaProcess(Replica):
         self._url = ""
         self._health: dict = {}
         self._health_at = 0.0
+        self._admin_token = secrets.token_hex(16)
+        """The replica's admin token (in its environment, not on its command line): the driver sets
+        its threads with it (`set_threads`)."""
 
     def start(self) -> ReplicaProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +140,8 @@ class ReplicaProcess(Replica):
             cmd += [f"--threads={self.threads}"]
         self._log = open(self.log_dir / "replica.log", "ab")  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                          "OPENCOMPOSER_ADMIN_TOKEN": self._admin_token},
                                      preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while not Path(ready).exists():
@@ -172,6 +182,20 @@ class ReplicaProcess(Replica):
     @property
     def version(self) -> int:
         return int(self.health().get("policy_version", -1))
+
+    def set_threads(self, n: int) -> bool:
+        """POST /admin/threads; a replica that does not answer within 5 s is left as it is (False)."""
+        req = urllib.request.Request(self._url.removesuffix("/v1") + "/admin/threads", method="POST",
+                                     data=json.dumps({"threads": n}).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self._admin_token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                r.read()
+        except (OSError, ValueError) as e:
+            log.warning("could not set the replica's threads to %d: %s", n, e)
+            return False
+        return True
 
     def _refusals(self) -> list[dict]:
         return ((self.health().get("weights") or {}).get("refusals")) or []
@@ -505,6 +529,10 @@ class RayReplica(ReplicaProcess):
 
     def alive(self) -> bool:
         return self.actor is not None and self.health(max_age_s=0.0).get("status") == "ok"
+
+    def set_threads(self, n: int) -> bool:
+        """Not lent: a Ray replica may run on another machine, whose cores the trainer does not have."""
+        return False
 
     def kill(self) -> None:
         """What a crash looks like (tests): the actor's process dies, and its replica with it."""

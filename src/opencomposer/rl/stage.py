@@ -48,6 +48,8 @@ class RLStageConfig:
     failed_call_credit: float = 1.0
     """The factor on a positive advantage for the tokens of a policy call that broke a call or
     failed an edit (`ObjectiveConfig.failed_call_credit`): 1 is Dr. GRPO's credit, 0 none."""
+    lend_threads: bool = True
+    """The replica takes the trainer's threads while the trainer waits (`RLConfig.lend_threads`)."""
     services: Literal["processes", "threads", "ray"] = "processes"
     """Where the replica and rollout workers run (`RLConfig.services`): "ray" puts them on a Ray
     cluster (`RAY_ADDRESS`, or a local one for the stage). The speedrun's agent evaluations run
@@ -82,7 +84,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                               negative_advantages=cfg.negative_advantages,
                                               failed_call_credit=cfg.failed_call_credit),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
-                                         broken_call=cfg.broken_call), services=cfg.services)
+                                         broken_call=cfg.broken_call), services=cfg.services,
+                    lend_threads=cfg.lend_threads)
 
 
 def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
