@@ -128,9 +128,10 @@ class RLConfig:
     """While the trainer waits for rollouts, the replica computes with the trainer's threads as well
     as its own, and gives them back before each trainer step (POST /admin/threads, applied between
     the engine's steps). Only for a `services = "processes"` replica, which shares this machine's
-    cores, and where the two sides' threads fit on the CPUs this process may use. In the RL runs of docs/rl.md the trainer waited 30-42% of the time while rollouts were
-    in flight, and the engine decodes about twice as fast alone on 2 threads as on 1 beside the
-    trainer (`benchmarks/rl.py --part threads`)."""
+    cores, and where the two sides' threads fit on the CPUs this process may use. In three RL runs
+    of docs/rl.md the trainer sat idle 30-42% of the time while rollouts were in flight, and the
+    engine decodes about twice as fast alone on 2 threads as on 1 beside the trainer
+    (`benchmarks/rl.py --part threads`)."""
 
 
 def thread_split(cfg: RLConfig) -> tuple[int, int]:
