@@ -243,3 +243,28 @@ def test_deleting_the_stdlib_named_module_does_not_pass(built, tmp_path):
         t.spec.verifier, command=t.spec.verifier.command.replace("--local colorsys ", "")))
     Task.write_spec(dst, spec)
     assert grade_patch(Task.load(dst), delete).passed
+
+
+def test_tasks_kept_for_rl_are_not_demonstrated_to_sft(tmp_path):
+    """`SpeedrunConfig.rl_share`: a task kept for RL gets no demonstration in SFT's data, and RL
+    draws from those tasks only (a task id RL does not have is a clear error)."""
+    import json
+
+    from opencomposer.rl.loop import RLConfig, RLError, Run
+    from opencomposer.speedrun.agent import AgentSettings, kept_for_rl, run_demonstrations
+    from opencomposer.tasks.builders.rename import build_renames
+
+    family = tmp_path / "family"
+    paths = build_renames(stdlib_sources()["colorsys"], family, max_tasks=2)
+    ids = [Task.load(p).id for p in paths]
+    assert [p.name for p in paths] == ids
+    (family / "manifest.json").write_text(json.dumps({"tasks": [{"id": i, "split": "train"} for i in ids]}))
+    assert kept_for_rl(family, "train", 0.0) == () and sorted(kept_for_rl(family, "train", 1.0)) == sorted(ids)
+    assert kept_for_rl(family, "train", 0.5) == kept_for_rl(family, "train", 0.5)  # a fixed partition
+    demos = run_demonstrations(AgentSettings(), family, "train", tmp_path / "demos", exclude=(ids[0],))
+    assert [p.name.split(".")[0] for p in demos] == [ids[1]]
+    with pytest.raises(RuntimeError, match="2 tasks kept for RL"):
+        run_demonstrations(AgentSettings(), family, "train", tmp_path / "demos2", exclude=tuple(ids))
+    with pytest.raises(RLError, match="among the 1 task ids given"):
+        Run(RLConfig(model=tmp_path / "no-model", tasks=family, split="train", task_ids=("colorsys-missing",)),
+            tmp_path / "rl")

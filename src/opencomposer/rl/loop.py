@@ -68,6 +68,9 @@ class RLConfig:
     """A Hugging Face model folder (with tokenizer.json) to start from: after CPT and SFT."""
     tasks: Path
     split: str | None = "train"
+    task_ids: tuple[str, ...] = ()
+    """Only these tasks of the split (empty: every one): the speedrun keeps the tasks SFT saw out of
+    RL (`SpeedrunConfig.rl_share`)."""
     evaluate: bool = True
     """Measure `eval_split` before training, every `eval_every` steps and at the end."""
     eval_split: str | None = "held_out"
@@ -179,8 +182,11 @@ class Run:
         write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1, default=str) + "\n")
         self.events = EventLog(self.out / "events.jsonl")
         self.tasks = load_dataset(cfg.tasks, cfg.split)
+        if cfg.task_ids:
+            self.tasks = [t for t in self.tasks if t.id in set(cfg.task_ids)]
         if not self.tasks:
-            raise RLError(f"no tasks in {cfg.tasks} (split {cfg.split})")
+            raise RLError(f"no tasks in {cfg.tasks} (split {cfg.split}"
+                          + (f", among the {len(cfg.task_ids)} task ids given)" if cfg.task_ids else ")"))
         self.store_url = cfg.weight_store or str(self.out / "weights")
         self.progress = progress
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)

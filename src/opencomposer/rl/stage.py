@@ -65,7 +65,8 @@ def staleness(steps: list[dict]) -> dict[str, int]:
     return out
 
 
-def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str, epochs: int):
+def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str, epochs: int,
+                task_ids: tuple[str, ...] = ()):
     """The loop's `RLConfig` for this stage: its own settings plus the harness every agent stage
     shares (`agent`), so RL rolls out exactly as the evals measure."""
     from opencomposer.rl.loop import RLConfig
@@ -73,7 +74,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
     from opencomposer.rl.rewards import RewardConfig
     from opencomposer.rl.trainer import TrainerConfig
 
-    return RLConfig(model=model, tasks=tasks, split=split, evaluate=False, steps=cfg.steps, minutes=cfg.minutes,
+    return RLConfig(model=model, tasks=tasks, split=split, task_ids=task_ids, evaluate=False, steps=cfg.steps, minutes=cfg.minutes,
                     groups_per_step=cfg.groups_per_step, max_inflight_groups=cfg.max_inflight_groups,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
@@ -89,18 +90,19 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
 
 
 def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
-        split: str = "train", progress=None) -> dict:
+        split: str = "train", progress=None, task_ids: tuple[str, ...] = ()) -> dict:
+    """The RL loop on `split` of `tasks` (only `task_ids` of it where given)."""
     from opencomposer.rl.loop import run as run_loop
     from opencomposer.tasks.format import load_dataset
 
     if not (model / "config.json").exists():
         raise FileNotFoundError(f"rl: no model at {model} (did SFT fail?)")
-    n = len(load_dataset(tasks, split))
+    n = len([t for t in load_dataset(tasks, split) if not task_ids or t.id in set(task_ids)])
     if not n:
-        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}")
+        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}" + (" among those kept for RL" if task_ids else ""))
     # single epoch while the train split is large enough; a small family is visited again
     epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
-    rcfg = loop_config(cfg, agent, model, tasks, split, epochs)
+    rcfg = loop_config(cfg, agent, model, tasks, split, epochs, task_ids)
     out = run_dir.stage("rl")
     summary = run_loop(rcfg, out, progress=progress)
     steps = summary.pop("steps")

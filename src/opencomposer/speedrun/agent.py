@@ -9,6 +9,7 @@ exactly (the smoke preset relies on it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -124,10 +125,23 @@ with SmolLM2's tokenizer an edit's JSON-escaped code takes about 0.5 tokens a ch
 call, so 1.5 x 256 = 384 characters rendered to at most 228 tokens on the rename family."""
 
 
-def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path) -> list[Path]:
+def kept_for_rl(tasks: Path, split: str, share: float) -> tuple[str, ...]:
+    """The tasks of `split` that SFT does not see and RL draws its groups from (`SpeedrunConfig.rl_share`):
+    those whose sha1 of "rl:<id>" falls in the lowest `share` of its range, a partition independent
+    of the held-out split's hash. Empty when `share` is 0."""
+    if share <= 0:
+        return ()
+    from opencomposer.tasks.format import load_dataset
+
+    return tuple(t.id for t in load_dataset(tasks, split)
+                 if int(hashlib.sha1(f"rl:{t.id}".encode()).hexdigest(), 16) % 1000 / 1000 < share)
+
+
+def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path,
+                       exclude: tuple[str, ...] = ()) -> list[Path]:
     """Demonstrations of the train split through the harness (`evals/demonstration.py`), with the
     agent stages' tool set, so SFT renders the same system prompt the policy will see. Only
-    episodes that pass go to SFT."""
+    episodes that pass go to SFT, and none of the tasks in `exclude` (those kept for RL)."""
     import dataclasses
 
     from opencomposer.evals.demonstration import demonstration_policy
@@ -140,7 +154,8 @@ def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path)
     s = run_eval(EvalConfig(tasks=tasks, split=split, passes=1, concurrency=2, agent=harness(demo)),
                  lambda task, k=0: demonstration_policy(task, k, max_turn_chars=chars), out)
     passed = [out / "trajectories" / f"{r['task']}.{r['pass']}.json" for r in read_jsonl(out / "results.jsonl")
-              if r["passed"]]
+              if r["passed"] and r["task"] not in set(exclude)]
     if not passed:
-        raise RuntimeError(f"no demonstration of split {split!r} passed ({s['statuses']}); SFT would learn nothing")
+        raise RuntimeError(f"no demonstration of split {split!r} passed ({s['statuses']}"
+                           + (f", {len(exclude)} tasks kept for RL" if exclude else "") + "); SFT would learn nothing")
     return sorted(set(passed))
