@@ -9,8 +9,8 @@ import os
 import subprocess
 
 from opencomposer.evals.runner import EvalConfig, policy_factory, run_eval
-from opencomposer.sandbox import reaper
 from opencomposer.harness.agent import AgentConfig
+from opencomposer.sandbox import reaper
 from opencomposer.tasks import gates
 from opencomposer.tasks.builders.harbor import dockerfile_facts, import_harbor
 from opencomposer.tasks.builders.importers import ImportConfig, import_swebench, import_swesmith, node_to_junit

@@ -261,6 +261,8 @@ def test_tasks_kept_for_rl_are_not_demonstrated_to_sft(tmp_path):
     (family / "manifest.json").write_text(json.dumps({"tasks": [{"id": i, "split": "train"} for i in ids]}))
     assert kept_for_rl(family, "train", 0.0) == () and sorted(kept_for_rl(family, "train", 1.0)) == sorted(ids)
     assert kept_for_rl(family, "train", 0.5) == kept_for_rl(family, "train", 0.5)  # a fixed partition
+    with pytest.raises(ValueError, match="keeps none of the 2 tasks"):
+        kept_for_rl(family, "train", 1e-9)
     demos = run_demonstrations(AgentSettings(), family, "train", tmp_path / "demos", exclude=(ids[0],))
     assert [p.name.split(".")[0] for p in demos] == [ids[1]]
     with pytest.raises(RuntimeError, match="2 tasks kept for RL"):

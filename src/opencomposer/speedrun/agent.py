@@ -133,8 +133,12 @@ def kept_for_rl(tasks: Path, split: str, share: float) -> tuple[str, ...]:
         return ()
     from opencomposer.tasks.format import load_dataset
 
-    return tuple(t.id for t in load_dataset(tasks, split)
-                 if int(hashlib.sha1(f"rl:{t.id}".encode()).hexdigest(), 16) % 1000 / 1000 < share)
+    ids = [t.id for t in load_dataset(tasks, split)]
+    kept = tuple(i for i in ids if int(hashlib.sha1(f"rl:{i}".encode()).hexdigest(), 16) % 1000 / 1000 < share)
+    if not kept:  # an empty set would mean "every task" to RL: say so instead
+        raise ValueError(f"rl_share = {share:g} keeps none of the {len(ids)} tasks of split {split!r} for RL; "
+                         "raise it, or set it to 0 to give SFT and RL every task")
+    return kept
 
 
 def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path,
