@@ -158,8 +158,7 @@ class Engine:
         self._running: dict[int, Sequence] = {}
         self._cond = threading.Condition()
         self._update: tuple[dict, int] | None = None
-        self.threads = torch.get_num_threads()
-        """Torch intra-op threads the engine's steps compute with (`set_threads`)."""
+        self.threads = torch.get_num_threads()  # what the engine's steps compute with (`set_threads`)
         self._threads_wanted: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -292,25 +291,17 @@ class Engine:
         return bool(self._waiting or self._prefilling or self._running or self._update)
 
     def set_threads(self, n: int) -> None:
-        """Compute with `n` torch threads from the next step on. The step applies it in the thread that
-        runs the steps: OpenMP's thread count belongs to the thread that starts the parallel work, so
-        setting it from a request's thread would not reach the engine's products. An RL driver lends
-        the replica its trainer's cores this way while the trainer waits for rollouts (`rl/loop.py`)."""
+        # applied by the step, in the engine's own thread: OpenMP's count belongs to the thread that starts the work
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise EngineError(f"threads must be a positive integer, not {n!r}")
-        self._threads_wanted = n
-
-    def _apply_threads(self) -> None:
-        n, self._threads_wanted = self._threads_wanted, None
-        if n is not None and n != torch.get_num_threads():
-            torch.set_num_threads(n)
-        if n is not None:
-            self.threads = torch.get_num_threads()
+        self._threads_wanted = n  # an RL driver lends its trainer's cores this way (rl/loop.py)
 
     def step(self) -> None:
-        """Apply a pending weight update and thread count, admit waiting requests, prefill one chunk,
-        decode one token for every running sequence."""
-        self._apply_threads()
+        """Apply a thread count and weight update, admit, prefill one chunk, decode one token a sequence."""
+        if (n := self._threads_wanted) is not None:
+            self._threads_wanted = None
+            torch.set_num_threads(n)
+            self.threads = torch.get_num_threads()
         self._apply_update()
         self._reap()
         self._admit()
