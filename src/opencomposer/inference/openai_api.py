@@ -12,7 +12,6 @@ What RL needs is returned under a namespaced extension field of each choice (the
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 import uuid
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opencomposer.core.machine import usable_cpus
 from opencomposer.inference.engine import (
     Engine,
     EngineBusy,
@@ -322,7 +322,7 @@ class Frontend:
         """Set the engine's torch threads from its next step on (bounded by the CPUs this process may use)."""
         self._admin(auth)
         n = body.get("threads")
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cpus:
             raise RequestError(400, f"body must be {{'threads': int}} with 1 <= threads <= {cpus} (this process's "
                                     "CPUs)", "threads")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 import threading
 import time
@@ -42,6 +41,7 @@ import torch
 
 from opencomposer.core import memory
 from opencomposer.core.errors import UserError
+from opencomposer.core.machine import usable_cpus
 from opencomposer.core.metrics import read_jsonl
 from opencomposer.core.rundir import write_atomic
 from opencomposer.evals.runner import episode_seed
@@ -142,7 +142,7 @@ def thread_split(cfg: RLConfig) -> tuple[int, int]:
     """(trainer threads, replica threads); 0 leaves torch's default (RLConfig.replica_threads)."""
     trainer, replica = cfg.trainer_threads, cfg.replica_threads
     if cfg.services == "processes":
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
         trainer = trainer or max(1, cpus // 2)
         replica = replica or max(1, cpus - trainer)
     return trainer, replica
@@ -184,7 +184,8 @@ class Run:
         self.events = EventLog(self.out / "events.jsonl")
         self.tasks = load_dataset(cfg.tasks, cfg.split)
         if cfg.task_ids:
-            self.tasks = [t for t in self.tasks if t.id in set(cfg.task_ids)]
+            keep = set(cfg.task_ids)
+            self.tasks = [t for t in self.tasks if t.id in keep]
         if not self.tasks:
             raise RLError(f"no tasks in {cfg.tasks} (split {cfg.split}"
                           + (f", among the {len(cfg.task_ids)} task ids given)" if cfg.task_ids else ")"))
@@ -258,24 +259,24 @@ class Run:
             self._publish(store)
         replica = self.replica = self._replica()
         cores = thread_split(cfg)
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
         lend = cfg.lend_threads and cfg.services == "processes" and all(cores) and sum(cores) <= cpus
         self.events.record("run_started", version=self.version, trained_groups=len(self.trained),
                            ready_groups=sorted(self.ready), services=cfg.services,
                            threads={"trainer": torch.get_num_threads(), "replica": replica.health().get("threads")
                                     if isinstance(replica, ReplicaProcess) else torch.get_num_threads(),
                                     "lent": lend})
-        lent: dict = {}  # replica's URL -> the threads it was last given
+        given: list = [None]  # (replica URL, threads) last set on it
 
         def give(replica, n: int) -> None:  # the replica's threads, set only when they change
-            if lend and lent.get(replica.url) != n and replica.set_threads(n):
-                lent.clear()
-                lent[replica.url] = n
-                if n > cores[1]:
-                    self._lent_since = time.monotonic()
-                elif self._lent_since is not None:
-                    self._lent_seconds += time.monotonic() - self._lent_since
-                    self._lent_since = None
+            if not lend or given[0] == (replica.url, n) or not replica.set_threads(n):
+                return
+            given[0] = (replica.url, n)
+            if n > cores[1]:
+                self._lent_since = time.monotonic()
+            elif self._lent_since is not None:
+                self._lent_seconds += time.monotonic() - self._lent_since
+                self._lent_since = None
         pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.workers), max_load_per_cpu=None)) \
             if cfg.services == "threads" else None
         stop = threading.Event()

@@ -74,7 +74,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
     from opencomposer.rl.rewards import RewardConfig
     from opencomposer.rl.trainer import TrainerConfig
 
-    return RLConfig(model=model, tasks=tasks, split=split, task_ids=task_ids, evaluate=False, steps=cfg.steps, minutes=cfg.minutes,
+    return RLConfig(model=model, tasks=tasks, split=split, task_ids=task_ids, evaluate=False, steps=cfg.steps,
+                    minutes=cfg.minutes,
                     groups_per_step=cfg.groups_per_step, max_inflight_groups=cfg.max_inflight_groups,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
@@ -97,9 +98,11 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
 
     if not (model / "config.json").exists():
         raise FileNotFoundError(f"rl: no model at {model} (did SFT fail?)")
-    n = len([t for t in load_dataset(tasks, split) if not task_ids or t.id in set(task_ids)])
+    keep = set(task_ids)
+    n = len([t for t in load_dataset(tasks, split) if not keep or t.id in keep])
     if not n:
-        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}" + (" among those kept for RL" if task_ids else ""))
+        raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}"
+                           + (" among those kept for RL" if keep else ""))
     # single epoch while the train split is large enough; a small family is visited again
     epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
     rcfg = loop_config(cfg, agent, model, tasks, split, epochs, task_ids)

@@ -157,8 +157,9 @@ def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path,
     chars = int(TURN_CHARS_PER_TOKEN * agent.turn_tokens)
     s = run_eval(EvalConfig(tasks=tasks, split=split, passes=1, concurrency=2, agent=harness(demo)),
                  lambda task, k=0: demonstration_policy(task, k, max_turn_chars=chars), out)
+    skip = set(exclude)
     passed = [out / "trajectories" / f"{r['task']}.{r['pass']}.json" for r in read_jsonl(out / "results.jsonl")
-              if r["passed"] and r["task"] not in set(exclude)]
+              if r["passed"] and r["task"] not in skip]
     if not passed:
         raise RuntimeError(f"no demonstration of split {split!r} passed ({s['statuses']}"
                            + (f", {len(exclude)} tasks kept for RL" if exclude else "") + "); SFT would learn nothing")
