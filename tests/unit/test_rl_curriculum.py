@@ -17,6 +17,7 @@ class Rollout:  # the fields of rl.rollout.Sample the curriculum reads
     turns: int
     trained_tokens: int
     error: str | None = None
+    passed: bool = False
 
 
 TASKS = ["easy", "hard", "mid"]
@@ -73,3 +74,24 @@ def test_off_by_default_and_nothing_measured_keeps_the_plan():
     assert run_plan(default, []) == [TASKS[t] for t in plan]
     blind = Planner(plan, TASKS, CurriculumConfig(after=0.0), Hardness(8, 100))
     assert run_plan(blind, []) == [TASKS[t] for t in plan]
+
+
+def test_settled_tasks_go_behind_those_that_split_and_come_back_when_none_is_left():
+    """`skip_settled`: a task whose group all passed ("easy") or all failed ("hard") waits behind
+    one whose rollouts split ("mid"); with no unsettled task left in the plan it comes back. A task
+    with fewer rollouts than `settle_after` is not settled."""
+    h = Hardness(max_turns=8, turn_tokens=100)
+    h.add([Rollout("easy", 1, 20, passed=True)] * 4 + [Rollout("hard", 8, 700)] * 4
+          + [Rollout("mid", 4, 300, passed=p) for p in (True, False, False, True)])
+    plan = [0, 1, 2] * 3
+    events: list[dict] = []
+    planner = Planner(plan, TASKS, CurriculumConfig(skip_settled=True, settle_after=4), h)
+    order = run_plan(planner, events)
+    assert order == ["mid", "mid", "mid", "easy", "hard", "hard", "easy", "hard", "easy"]
+    assert [e["reason"] for e in events if e["kind"] == "planned"] == ["settled"] * 3
+    resumed = Planner(plan, TASKS, CurriculumConfig(skip_settled=True, settle_after=4), h)
+    resumed.replay(events)
+    assert [TASKS[resumed.task(g)] for g in range(len(plan))] == order
+    assert run_plan(Planner(plan, TASKS, CurriculumConfig(), h), []) == [TASKS[t] for t in plan]  # off: as planned
+    assert run_plan(Planner(plan, TASKS, CurriculumConfig(skip_settled=True, settle_after=5), h), []) \
+        == [TASKS[t] for t in plan]  # four rollouts settle nothing when five are asked

@@ -39,6 +39,7 @@ def test_a_step_at_lr_0_changes_no_weight(lr):
     for _ in range(3):
         stats = trainer.step([samples(200)])
         assert stats["grad_norm"] > 0 and stats["trained_tokens"] > 0  # a real gradient each step
+        assert stats["updated"]  # an Adam step was taken, at lr 0 too: the control makes the same versions
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert (changed == []) if lr == 0 else len(changed) == len(before)
 
@@ -66,6 +67,7 @@ def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
         stats = trainer.step([group])
         changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
         assert bool(changed) == moves, (mode, group is solved)
+        assert stats["updated"] == moves  # the loop makes a new version only for a step that moved
         assert stats["unsolved_groups_skipped"] == (0 if moves else 1)
         assert stats["zero_advantage_groups"] == 0
 

@@ -183,8 +183,9 @@ def rl_section(s: dict) -> list[str]:
             f"| tokens per rollout | {curve[0]['tokens_per_rollout']:.0f} | {curve[-1]['tokens_per_rollout']:.0f} |",
             "",
             f"Staleness of trained tokens (versions behind: tokens): {stale}. Weight sync: "
-            f"{sum(r['delta_bytes'] for r in curve) / 1e6:.1f} MB published for {len(curve)} versions "
-            f"({curve[-1]['full_bytes'] / 1e6:.0f} MB each in full).", ""]
+            f"{sum(r['delta_bytes'] for r in curve) / 1e6:.1f} MB published for "
+            f"{sum(r.get('updated', True) for r in curve)} versions "
+            f"({max(r['full_bytes'] for r in curve) / 1e6:.0f} MB each in full).", ""]
 
 
 def stages_section(events: list[dict]) -> list[str]:

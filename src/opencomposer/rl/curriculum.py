@@ -8,6 +8,13 @@ tokens / (max_turns x turn_tokens): this family writes its thinking into the com
 (`epochs` > 1) have a measurement; while none of the tasks still planned has one, the plan's own
 order stands. A pick is a swap of two entries of the plan, recorded in the event log and replayed
 on resume, so a restarted run maps every group to the task it had.
+
+`skip_settled` moves a task whose earlier rollouts (a whole group's at least) all passed or all
+failed behind the tasks that still split their rollouts: such a group's rewards are all equal
+under the verifier, so it trains nothing under `unsolved_groups = "skip"` or only on the behaviour
+terms. DAPO filters those groups after sampling them (dynamic sampling); here a run's own history
+decides before it spends the rollouts. In the default speedrun at 5c39d18, 14 of 26 groups were
+settled this way. A settled task still comes back once no unsettled one is left in the plan.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ class CurriculumConfig:
     """From this fraction of the plan on, tasks are drawn by hardness (1.0: never)."""
     strength: float = 2.0
     """Draw probability proportional to hardness ** strength."""
+    skip_settled: bool = False
+    """Move a task whose earlier rollouts all passed or all failed (at least `settle_after` of
+    them) behind the tasks that still split (see the module's docstring)."""
+    settle_after: int = 4
 
 
 def rollout_hardness(turns: int, completion_tokens: int, max_turns: int, turn_tokens: int) -> float:
@@ -36,6 +47,7 @@ class Hardness:
         self.max_turns, self.turn_tokens = max_turns, turn_tokens
         self._sum: dict[str, float] = {}
         self._n: dict[str, int] = {}
+        self._passed: dict[str, int] = {}
 
     def add(self, samples: Iterable) -> None:
         for s in samples:
@@ -44,9 +56,15 @@ class Hardness:
             h = rollout_hardness(s.turns, s.trained_tokens, self.max_turns, self.turn_tokens)
             self._sum[s.task] = self._sum.get(s.task, 0.0) + h
             self._n[s.task] = self._n.get(s.task, 0) + 1
+            self._passed[s.task] = self._passed.get(s.task, 0) + bool(s.passed)
 
     def get(self, task: str) -> float | None:
         return self._sum[task] / self._n[task] if task in self._n else None
+
+    def settled(self, task: str, after: int) -> bool:
+        """At least `after` rollouts of the task, and all of them passed or none did."""
+        n = self._n.get(task, 0)
+        return n >= after and self._passed.get(task, 0) in (0, n)
 
 
 def pick(candidates: list[tuple[int, str]], hardness: Hardness, strength: float, rng: random.Random,
@@ -76,6 +94,9 @@ class Planner:
     def task(self, g: int) -> int:
         return self.plan[g] % len(self.task_ids)
 
+    def _settled(self, p: int) -> bool:
+        return self.hardness.settled(self.task_ids[self.task(p)], self.cfg.settle_after)
+
     def replay(self, events: Iterable[dict]) -> None:
         for e in events:
             if e["kind"] == "planned":
@@ -86,6 +107,14 @@ class Planner:
 
     def choose(self, g: int, unavailable: set[int]) -> dict | None:
         """Decide group g's task; returns the `planned` event's fields when it swapped."""
+        if g not in self.decided and self.cfg.skip_settled and self._settled(g):
+            later = [p for p in range(g + 1, len(self.plan))
+                     if p not in self.decided and p not in unavailable and not self._settled(p)]
+            if later:
+                self.decided.add(g)
+                self.plan[g], self.plan[later[0]] = self.plan[later[0]], self.plan[g]
+                return {"group": g, "swapped_with": later[0], "task": self.task_ids[self.task(g)],
+                        "reason": "settled", "settled_task": self.task_ids[self.task(later[0])]}
         if g in self.decided or g < self.cfg.after * len(self.plan):
             self.decided.add(g)
             return None

@@ -50,6 +50,9 @@ class RLStageConfig:
     failed an edit (`ObjectiveConfig.failed_call_credit`): 1 is Dr. GRPO's credit, 0 none."""
     lend_threads: bool = True
     """The replica takes the trainer's threads while the trainer waits (`RLConfig.lend_threads`)."""
+    skip_settled: bool = False
+    """Tasks whose earlier group all passed or all failed go behind those that split
+    (`CurriculumConfig.skip_settled`, `rl/curriculum.py`)."""
     services: Literal["processes", "threads", "ray"] = "processes"
     """Where the replica and rollout workers run (`RLConfig.services`): "ray" puts them on a Ray
     cluster (`RAY_ADDRESS`, or a local one for the stage). The speedrun's agent evaluations run
@@ -69,6 +72,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                 task_ids: tuple[str, ...] = ()):
     """The loop's `RLConfig` for this stage: its own settings plus the harness every agent stage
     shares (`agent`), so RL rolls out exactly as the evals measure."""
+    from opencomposer.rl.curriculum import CurriculumConfig
     from opencomposer.rl.loop import RLConfig
     from opencomposer.rl.objective import ObjectiveConfig
     from opencomposer.rl.rewards import RewardConfig
@@ -87,7 +91,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                               failed_call_credit=cfg.failed_call_credit),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services,
-                    lend_threads=cfg.lend_threads)
+                    lend_threads=cfg.lend_threads,
+                    curriculum=CurriculumConfig(skip_settled=cfg.skip_settled, settle_after=cfg.group_size))
 
 
 def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
@@ -114,7 +119,8 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
               "curve": [{k: rec[k] for k in ("step", "version", "reward", "pass_rate", "kl_per_token", "loss",
                                               "tokens_per_rollout", "turns_per_rollout", "zero_advantage_groups",
                                               "broken_calls", "edit_rate", "train_seconds", "publish_seconds",
-                                              "delta_bytes", "full_bytes")} for rec in curve],
+                                              "delta_bytes", "full_bytes")}
+                        | {"updated": rec.get("updated", True)} for rec in curve],
               "staleness": staleness(curve)}
     run_dir.write_json("rl/summary.json", result)
     metrics.log(stage="rl", steps=len(curve), reward_first=curve[0]["reward"] if curve else None,

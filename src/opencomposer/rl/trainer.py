@@ -123,6 +123,7 @@ class RLTrainer:
                 shared.backward()  # the prompt's backward once, with every rollout's gradient
                 stats["shared_prompt_tokens"] = stats.get("shared_prompt_tokens", 0) + shared.length
         grads = [p for p in self.model.parameters() if p.grad is not None]
+        stats["updated"] = bool(grads)  # no gradient, no Adam step: the weights are what they were
         if grads:
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip))
             self.opt.step()
