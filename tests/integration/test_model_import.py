@@ -58,10 +58,21 @@ def test_corrupt_gguf_is_named(tmp_path):
 
 
 def test_our_llama_matches_transformers_on_smollm2(folder):
+    """On the product kernels transformers uses (aten, MKL's sgemm) our Llama's logits match to
+    float32 noise (bit for bit where measured); on oneDNN's products, our default, they differ by
+    the other kernel's rounding, bounded relative to the logits' scale: 1.07e-4 on logits up to 36
+    on an AVX2 host (3e-6 of the scale), where the old absolute bound of 1e-4 failed."""
+    from opencomposer.model import linear
     from opencomposer.model.hf import load_model
 
     ours = load_model(folder).eval()
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = torch.tensor([[1604, 33662, 79, 6693, 24, 104, 727, 472, 1003, 1792, 1232, 216, 33, 34]])
     with torch.no_grad():
-        assert (ours(ids) - ref(ids).logits).abs().max().item() < 1e-4
+        expected = ref(ids).logits
+        before = linear.set_backend("aten")
+        try:
+            assert (ours(ids) - expected).abs().max().item() < 1e-5  # the architecture, not a kernel's rounding
+        finally:
+            linear.set_backend(before)
+        assert (ours(ids) - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
