@@ -49,6 +49,20 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
 
 
+def cpu_summary() -> str:
+    """The CPU's model name and its widest vector extensions: the same code measures very
+    differently with and without AVX-512 (oneDNN ran about 2x MKL on an AVX-512 host and level
+    with it on an AVX2-only one), so the table says which it ran on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(ext) or 'no AVX2'})"
+
+
 def machine_bound() -> tuple[float, float]:
     """(bytes/s of a streaming read, float32 matmul FLOP/s) on the current torch threads; the
     FLOP/s of the faster of aten's (MKL) and oneDNN's product, since the bound is what the machine
@@ -288,8 +302,8 @@ def main() -> None:
             body = decode_section(folder, args.rounds, bw, fl)
             md = "\n".join(["## Decode against transformers and the roofline (`benchmarks/rollouts.py --part decode`)",
                             "", f"Reproduce: `{cmd}` — SmolLM2-135M float32, 64-token prompts, 32 greedy tokens, prefill "
-                            f"excluded, {args.rounds} alternating rounds, medians; {threads} torch threads. This machine "
-                            f"measured {bw / 1e9:.1f} GB/s streaming read and {fl / 1e9:.0f} GFLOP/s float32 matmul in "
+                            f"excluded, {args.rounds} alternating rounds, medians; {threads} torch threads on {cpu_summary()}. "
+                            f"This machine measured {bw / 1e9:.1f} GB/s streaming read and {fl / 1e9:.0f} GFLOP/s float32 matmul in "
                             "the same run.", "", *body])
             print(md)
             write_section(ROOT / "docs" / "benchmarks.md", "rollouts-decode", md)

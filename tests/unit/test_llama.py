@@ -56,12 +56,20 @@ def test_cache_slots_prefix_sharing_and_limits():
             model.run(nxt[:1], cache=cache, rows=[3])
 
 
-def test_decode_over_scattered_slots_equals_each_sequence_alone():
+@pytest.mark.parametrize("prepared", [False, True])
+def test_decode_over_scattered_slots_equals_each_sequence_alone(prepared):
     """Decoding rows in slots with gaps between them and different lengths (what a server sees
     while other requests prefill or have finished) reads the cache's storage run by run; each row's
-    logits must equal its own sequence's full forward."""
+    logits must equal its own sequence's full forward. `prepared`: as an engine's model (q/k/v in
+    one product, rotated together; packed weights), against the plain model's full forward."""
+    from opencomposer.model.linear import prepare_inference
+
     torch.manual_seed(0)
     model = LlamaModel(PRESETS["tiny"]).eval()
+    plain = LlamaModel(PRESETS["tiny"]).eval()
+    plain.load_state_dict(model.state_dict())
+    if prepared:
+        prepare_inference(model, fuse=True, pack=8)
     lengths = {0: 5, 1: 9, 3: 3, 4: 7, 6: 4}  # slots 2 and 5 are empty
     prompts = {slot: torch.randint(0, 512, (1, n)) for slot, n in lengths.items()}
     with torch.no_grad():
@@ -73,7 +81,7 @@ def test_decode_over_scattered_slots_equals_each_sequence_alone():
             out = model.run(nxt, cache=cache, rows=rows).logits[:, -1]
             for i, slot in enumerate(rows):
                 prompts[slot] = torch.cat([prompts[slot], nxt[i:i + 1]], 1)
-                alone = model(prompts[slot])[0, -1]
+                alone = plain(prompts[slot])[0, -1]
                 assert torch.allclose(out[i], alone, atol=1e-5), (rows, slot)
 
 

@@ -4,7 +4,9 @@ Why not `F.linear`: on x86 torch's CPU build runs `F.linear` and `@` through MKL
 the AMD EPYC this project is developed on (AVX-512 with BF16) MKL runs them at about half of what
 oneDNN's float32 kernel does on the same tensors, for every shape that matters here (decode in
 `benchmarks/rollouts.py --part decode`; single products in scratch runs: 2x for 1536 x 576 at
-1-1,024 rows, 2-3.8x for SmolLM2's 49,152-row vocabulary head). oneDNN ships inside torch
+1-1,024 rows, 2-3.8x for SmolLM2's 49,152-row vocabulary head). On an AVX2-only EPYC the two ran
+level (within 10% either way, docs/benchmarks.md), so there the gain is the fused and packed
+products below, not the kernel. oneDNN ships inside torch
 (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU backend calls), computes in float32
 with float32 accumulation, and is used with the weights as they are (no packed copy), so an
 in-flight weight update or an optimizer step is seen at once.
@@ -159,13 +161,19 @@ class FusedProducts:
         self.modules = modules
         self.derived = _Derived(pack)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The n products, or None where the fused path does not apply (gradients, a bias, or
-        what `linear` would not send to oneDNN): the caller then runs its own modules."""
+    def product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The n products side by side (..., sum of out_features), or None where the fused path
+        does not apply (gradients, a bias, or what `linear` would not send to oneDNN): the caller
+        then runs its own modules."""
         ws = [m.weight for m in self.modules]
         if any(m.bias is not None for m in self.modules) or not _inference(x, ws[0]):
             return None
-        return list(_product(x, self.derived.get(ws)).split([m.out_features for m in self.modules], -1))
+        return _product(x, self.derived.get(ws))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The n products, or None (as `product`)."""
+        y = self.product(x)
+        return None if y is None else list(y.split([m.out_features for m in self.modules], -1))
 
 
 def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None = None) -> dict[str, int]:

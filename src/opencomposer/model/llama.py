@@ -14,7 +14,7 @@ from torch import nn
 from opencomposer.model.cache import KVCache, attend
 from opencomposer.model.errors import ModelLoadError
 from opencomposer.model.linear import FusedProducts, Linear
-from opencomposer.model.layers import MLP, CausalLM, ForwardOut, RMSNorm, apply_rope, init_weights, rope_tables
+from opencomposer.model.layers import MLP, CausalLM, ForwardOut, RMSNorm, Rotary, init_weights, rope_tables
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,15 +73,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * hd, d, bias=False)
         self.fused: FusedProducts | None = None
 
-    def forward(self, x, cos, sin, cache: KVCache | None, rows, mask):
+    def forward(self, x, rope: Rotary, cache: KVCache | None, rows, mask):
         b, t, _ = x.shape
-        cfg = self.cfg
-        qkv = self.fused(x) if self.fused is not None else None
-        q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = k.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = v.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        hq, hk, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        qkv = self.fused.product(x) if self.fused is not None else None
+        if qkv is not None:
+            # queries and keys are adjacent in the fused product: one rotation for both
+            heads = qkv.view(b, t, hq + 2 * hk, hd).transpose(1, 2)
+            qk = rope(heads[:, :hq + hk])
+            q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hq + hk:]
+        else:
+            q = rope(self.q_proj(x).view(b, t, hq, hd).transpose(1, 2))
+            k = rope(self.k_proj(x).view(b, t, hk, hd).transpose(1, 2))
+            v = self.v_proj(x).view(b, t, hk, hd).transpose(1, 2)
         if cache is not None and t == 1 and not torch.is_grad_enabled():
             out = cache.decode_attend(self.layer, rows, q, k, v)
         else:
@@ -99,8 +103,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache, rows, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, mask)
+    def forward(self, x, rope, cache, rows, mask):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, rows, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,9 +131,9 @@ class LlamaModel(CausalLM):
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         pos, mask, r = self._positions(input_ids, cache, rows, segments)
-        cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype)
+        rope = Rotary(*rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype))
         for layer in self.layers:
-            x = self._block(layer, checkpoint, x, cos, sin, cache, r, mask)
+            x = self._block(layer, checkpoint, x, rope, cache, r, mask)
         if cache is not None:
             cache.advance(r, t)
         h = self.norm(x)
