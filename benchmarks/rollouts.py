@@ -2,9 +2,10 @@
 plain `transformers` generate re-prefilling every turn; and raw decode against `transformers` and
 against this machine's roofline, measured in the same run.
 
-    .venv/bin/python benchmarks/rollouts.py [--part all|episodes|decode] [--rounds 3] [--episodes 8]
+    .venv/bin/python benchmarks/rollouts.py [--part all|episodes|decode|context] [--rounds 3] [--episodes 8]
                                             [--concurrency 4] [--turn-tokens 32]
-                                            # writes "rollouts" (episodes) and "rollouts-decode" in docs/benchmarks.md
+                                            # writes "rollouts" (episodes), "rollouts-decode" and
+                                            # "rollouts-context" in docs/benchmarks.md
 
 Episodes: the bundled benchmark's tasks (colorsys and graphlib bug fixes), the harness's default
 tool set and system prompt, real sandboxes, graded at the end. The base model stops after a turn,
@@ -30,6 +31,15 @@ packed, still oneDNN), the same engine on aten's `F.linear` (MKL here), and tran
 FLOPs per weight per row; with the memory bandwidth (a float32 sum over 512 MB) and FLOP/s (the
 faster of aten's and oneDNN's 2048^3 float32 product) measured here, bound = B / max(bytes /
 bandwidth, flops / FLOP/s).
+
+Context: decode where agent episodes decode, B rows of 1,600-token prompts whose first 1,200 tokens
+are one shared prefix (the system prompt and tool schemas every request of an episode starts with;
+random tokens here), cached by one request before the batch arrives, as the server has it after an
+episode's first turn. Our engine with shared-prefix attention on (the prefix read once per step for
+all rows: `EngineConfig.shared_prefix_attention`) and off (each row reads its own copy), and
+transformers on the same prompts (its cached one-token forwards timed directly:
+`hf_decode_cached`); the bound as above with every row's KV read (the conventional
+decode bound; reading the shared prefix once moves the true floor lower).
 """
 
 from __future__ import annotations
@@ -77,12 +87,18 @@ def machine_bound() -> tuple[float, float]:
 
 
 # -- decode -------------------------------------------------------------------------------------------
-def ours_decode(model, prompts: torch.Tensor, new: int, prepared: bool = True) -> float:
+def ours_decode(model, prompts: torch.Tensor, new: int, prepared: bool = True, shared: int = 0,
+                share: bool = True) -> float:
+    """Decode seconds for the tokens after the first; with `shared`, one request of the prompts'
+    first `shared` tokens is served first, so that the batch finds them in the prefix cache."""
     from opencomposer.inference.engine import Engine, EngineConfig
     from opencomposer.inference.sampling import SamplingParams
 
     engine = Engine(model, config=EngineConfig(slots=prompts.shape[0], max_len=prompts.shape[1] + new + 1,
-                                               fuse_products=prepared, pack_weights=prepared))
+                                               fuse_products=prepared, pack_weights=prepared,
+                                               shared_prefix_attention=share))
+    if shared:
+        engine.generate(prompts[0, :shared].tolist() + [0], SamplingParams(temperature=0.0, max_tokens=1))
     seqs = [engine.submit(p.tolist(), SamplingParams(temperature=0.0, max_tokens=new))[0] for p in prompts]
     engine.step()  # prefill + the first token
     t = time.perf_counter()
@@ -100,6 +116,21 @@ def hf_decode(model, prompts: torch.Tensor, new: int) -> float:
                            do_sample=False, pad_token_id=0)
         return time.perf_counter() - t
     return max(gen(new) - gen(1), 1e-9)
+
+
+def hf_decode_cached(model, prompts: torch.Tensor, new: int) -> float:
+    """transformers' decode with its KV cache, timed directly: one prefill forward (not timed), then
+    `new - 1` greedy one-token forwards over `past_key_values`, the loop `generate` runs. At a long
+    context `hf_decode`'s difference of two `generate` calls is mostly prefill, and in a first run
+    here it scattered by 2-3x between rounds."""
+    with torch.no_grad():
+        out = model(prompts, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(new - 1):
+            out = model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - t
 
 
 def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]:
@@ -148,6 +179,66 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
         bound = b / step
         lines.append(f"| {b} | {o:.1f} | {u:.1f} | {a:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | "
                      f"**{o / bound:.2f}** |")
+    return lines
+
+
+def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]:
+    import transformers
+
+    from opencomposer.model.cache import KVCache
+    from opencomposer.model.hf import load_model
+
+    mine = load_model(folder).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    cfg = mine.config
+    params = sum(p.numel() for p in mine.parameters())
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    new, plen, shared = 64, 1600, 1200
+    impls = ("shared on", "shared off", "transformers")
+    batches = (4, 8)
+    res = {(impl, b): [] for impl in impls for b in batches}
+    attn = {(impl, b): [] for impl in impls[:2] for b in batches}  # seconds in decode attention per step
+    spent = [0.0]
+    plain_attend = KVCache.decode_attend
+
+    def timed_attend(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return plain_attend(self, *a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    def ours(p, share):
+        spent[0] = 0.0
+        KVCache.decode_attend = timed_attend
+        try:
+            secs = ours_decode(mine, p, new, shared=shared, share=share)
+        finally:
+            KVCache.decode_attend = plain_attend
+        attn[("shared on" if share else "shared off", p.shape[0])].append(spent[0] / (new - 1))
+        return secs
+    for r in range(rounds):
+        g = torch.Generator().manual_seed(r)
+        for b in batches:
+            head = torch.randint(0, cfg.vocab_size, (1, shared), generator=g).expand(b, shared)
+            prompts = torch.cat([head, torch.randint(0, cfg.vocab_size, (b, plen - shared), generator=g)], 1)
+            order = [("shared on", lambda p=prompts: ours(p, True)),
+                     ("shared off", lambda p=prompts: ours(p, False)),
+                     ("transformers", lambda p=prompts: hf_decode_cached(ref, p, new))]
+            for impl, fn in order if r % 2 == 0 else order[::-1]:
+                res[(impl, b)].append(b * (new - 1) / fn())
+                print("context", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
+    lines = ["| batch | shared on tok/s | shared off tok/s | transformers tok/s | on / off | on / transformers | "
+             "roofline bound tok/s | on / bound | attention ms a step, on / off |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in batches:
+        on, off, h = (statistics.median(res[(i, b)]) for i in impls)
+        a_on, a_off = (statistics.median(attn[(i, b)]) * 1e3 for i in impls[:2])
+        ctx = plen + new // 2
+        bound = b / max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
+        lines.append(f"| {b} | {on:.1f} | {off:.1f} | {h:.1f} | **{on / off:.2f}x** | **{on / h:.2f}x** | {bound:.0f} | "
+                     f"**{on / bound:.2f}** | {a_on:.1f} / {a_off:.1f} |")
+    lines += ["", "Attention: the seconds inside `KVCache.decode_attend` (the cache write and attention over it, all "
+              "layers) per decode step, timed around each call; the same wrapper in both arms."]
     return lines
 
 
@@ -272,7 +363,7 @@ def episodes_section(folder: Path, tmp: Path, args) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("all", "episodes", "decode"), default="all")
+    ap.add_argument("--part", choices=("all", "episodes", "decode", "context"), default="all")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -295,10 +386,11 @@ def main() -> None:
                             f"Reproduce: `{cmd}` ({threads} torch threads).", "", *body])
             print(md)
             write_section(ROOT / "docs" / "benchmarks.md", "rollouts", md)
-        if args.part in ("all", "decode"):
+        if args.part in ("all", "decode", "context"):
             bw, fl = machine_bound()
             print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {fl / 1e9:.0f} GFLOP/s float32 matmul "
                   f"({threads} threads)", flush=True)
+        if args.part in ("all", "decode"):
             body = decode_section(folder, args.rounds, bw, fl)
             md = "\n".join(["## Decode against transformers and the roofline (`benchmarks/rollouts.py --part decode`)",
                             "", f"Reproduce: `{cmd}` — SmolLM2-135M float32, 64-token prompts, 32 greedy tokens, prefill "
@@ -307,6 +399,16 @@ def main() -> None:
                             "the same run.", "", *body])
             print(md)
             write_section(ROOT / "docs" / "benchmarks.md", "rollouts-decode", md)
+        if args.part in ("all", "context"):
+            body = context_section(folder, args.rounds, bw, fl)
+            md = "\n".join(["## Decode at an agent's context (`benchmarks/rollouts.py --part context`)", "",
+                            f"Reproduce: `{cmd}` — SmolLM2-135M float32, 1,600-token prompts whose first 1,200 "
+                            "tokens are one prefix, cached before the batch arrives; 64 greedy tokens, prefill "
+                            f"excluded, {args.rounds} alternating rounds, medians; {threads} torch threads on "
+                            f"{cpu_summary()}; {bw / 1e9:.1f} GB/s and {fl / 1e9:.0f} GFLOP/s measured in the same run.",
+                            "", *body])
+            print(md)
+            write_section(ROOT / "docs" / "benchmarks.md", "rollouts-context", md)
 
 
 if __name__ == "__main__":

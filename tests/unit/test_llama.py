@@ -85,6 +85,44 @@ def test_decode_over_scattered_slots_equals_each_sequence_alone(prepared):
                 assert torch.allclose(out[i], alone, atol=1e-5), (rows, slot)
 
 
+def test_decode_over_a_shared_prefix_reads_it_once_and_equals_each_sequence_alone():
+    """Rows whose slots hold the same prefix bytes (copies of one prefill) attend over it in one
+    product for all of them, and over the rest of their own keys, merged through the softmax
+    normalisers: each row's logits must equal its own sequence's full forward. Slots 2 and 5 are
+    empty, slot 6 has a prompt of its own (not a member), and the members' suffixes differ in
+    length."""
+    from opencomposer.model.cache import SharedPrefix
+    from opencomposer.model.linear import prepare_inference
+
+    torch.manual_seed(0)
+    model = LlamaModel(PRESETS["tiny"]).eval()
+    plain = LlamaModel(PRESETS["tiny"]).eval()
+    plain.load_state_dict(model.state_dict())
+    prepare_inference(model, fuse=True, pack=8)
+    prefix = torch.randint(0, 512, (1, 10))
+    suffixes = {0: 1, 1: 4, 3: 2, 4: 6}
+    prompts = {slot: torch.cat([prefix, torch.randint(0, 512, (1, n))], 1) for slot, n in suffixes.items()}
+    prompts[6] = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        cache = model.new_cache(7, 40)
+        model.run(prefix, cache=cache, rows=[0])
+        cache.copy(0, [1, 3, 4])
+        for slot, p in prompts.items():
+            model.run(p[:, 10:] if slot != 6 else p, cache=cache, rows=[slot])
+        for rows, members, shared in (([0, 1, 3, 4, 6], [0, 1, 3, 4], True), ([1, 4, 6], [1, 4, 6], True),
+                                      ([0, 3], [0, 3], True), ([1, 6], [1], False)):
+            nxt = torch.randint(0, 512, (len(rows), 1))
+            # slot 6 listed as a member in one case: its prefix differs, so its logits would show it
+            cache.shared = SharedPrefix(10, [m for m in members if m != 6])
+            out = model.run(nxt, cache=cache, rows=rows).logits[:, -1]
+            assert (cache._plan.members is not None) == shared
+            cache.shared = None
+            for i, slot in enumerate(rows):
+                prompts[slot] = torch.cat([prompts[slot], nxt[i:i + 1]], 1)
+                alone = plain(prompts[slot])[0, -1]
+                assert torch.allclose(out[i], alone, atol=1e-5), (rows, slot)
+
+
 def test_bad_folders(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path)

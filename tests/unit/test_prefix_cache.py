@@ -130,6 +130,31 @@ def test_abort_of_one_sharer_does_not_touch_the_other():
     assert all(n.refs == 0 for n in _nodes(engine.prefix))
 
 
+def test_rows_that_share_a_prefix_read_it_once_exactly():
+    """Requests that start with one cached system prompt, and the n samples of each, decode with
+    that prefix read once per step for all rows (`EngineConfig.shared_prefix_attention`): the same
+    tokens and logprobs as the engine that reads it row by row. A request that does not start
+    with it decodes beside them."""
+    model = llama()
+    system = torch.randint(0, 500, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = {}
+    for on in (False, True):
+        engine = Engine(model, config=EngineConfig(slots=6, max_len=160, shared_prefix_attention=on))
+        engine.generate(system + [7], SamplingParams(max_tokens=1))  # the system prompt is cached
+        g = torch.Generator().manual_seed(1)
+        seqs = [s for i in range(2) for s in engine.submit(
+            system + torch.randint(0, 500, (3 + 4 * i,), generator=g).tolist(),
+            SamplingParams(temperature=0.9, max_tokens=10, seed=i), n=2)]
+        seqs += engine.submit(torch.randint(0, 500, (90,), generator=g).tolist(),
+                              SamplingParams(temperature=0.9, max_tokens=10, seed=9))
+        drain(engine)
+        runs[on] = (seqs, engine.stats["decode_shared_rows"])
+    (off, n_off), (on, n_on) = runs[False], runs[True]
+    same([off], [on])
+    assert n_off == 0 and n_on >= 4 * 9  # four rows share it in every step after their first token
+    assert [s.cached_tokens for s in on] == [80, 80, 80, 80, 0]
+
+
 def _nodes(pc: PrefixCache):
     stack = list(pc.root.children.values())
     while stack:
@@ -199,3 +224,32 @@ def test_radix_tree_splits_locks_and_evicts_lru():
     pc.lock(m, -1)
     pc.evict(0)
     assert pc.tokens == 0 and pc.nbytes == 0 and not pc.root.children
+
+
+def test_tags_name_the_same_bytes_through_splits_and_inserts():
+    """What the engine's shared-prefix decode trusts: positions named by one tag hold the same
+    bytes. A split node's halves keep the tag (their positions differ); a node inserted from a slot
+    takes the tag of the slot's span it lies in (it is a copy of those bytes), and a fresh one
+    otherwise; spans of one tag side by side are one run."""
+    from opencomposer.inference.provenance import common_length, merged
+    from opencomposer.model.cache import KVCache
+
+    cache = KVCache(1, 2, 64)
+    x = torch.randn(2, 1, 12, 4)
+    cache.write(0, torch.tensor([0, 1]), x, x)
+    cache.advance(torch.tensor([0, 1]), 12)
+    pc = PrefixCache(10 ** 6)
+    pc.insert(list(range(8)), cache, 0, 0, spans=((8, 41),))  # a copy of a prefill named 41
+    (node,) = _nodes(pc)
+    assert node.tag == 41
+    pc.insert(list(range(12)), cache, 0, 0, spans=((8, 41), (10, 42)))  # [8, 12) is not inside one span
+    pc.insert(list(range(4)) + [99] * 4, cache, 1, 0)  # splits the first node after 4 tokens
+    tags = {(n.tokens[0], len(n.tokens)): n.tag for n in _nodes(pc)}
+    assert tags[(0, 4)] == tags[(4, 4)] == 41 and tags[(8, 4)] not in (41, 42)
+    assert tags[(99, 4)] not in (41, 42, tags[(8, 4)])
+    spans = pc.spans(pc.match(list(range(12)), 100), 12)
+    assert spans == ((8, 41), (12, tags[(8, 4)]))  # the split halves join into one run
+    assert merged(((3, 5), (6, 5), (9, 7))) == ((6, 5), (9, 7))
+    assert common_length(((8, 41), (12, 3)), ((8, 41), (20, 9))) == 8
+    assert common_length(((8, 41),), ((5, 41), (9, 2))) == 5
+    assert common_length(((8, 1),), ((8, 2),)) == 0

@@ -6,7 +6,9 @@ of one prompt) is prefilled once and its cache copied into n slots. A prefix cac
 request prefills only what is not cached. Each `step()` admits waiting requests (those with the
 longest cached prefix first, none overtaken more than `fairness` times), prefills a bounded chunk of
 prompt tokens (a long prompt is spread over several steps so running sequences keep decoding), then
-decodes every running sequence in one batched forward. For each sampled token the
+decodes every running sequence in one batched forward; rows whose KV starts with the same bytes (the
+agent's system prompt from one prefix-cache node, the n samples of one request) read that prefix once
+for all of them in that forward. For each sampled token the
 engine records its log-probability, the policy version of the weights that produced it, and — for
 MoE models — the experts every layer routed its input token to (report §4 router replay).
 
@@ -29,7 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opencomposer.inference.engine_config import EngineConfig
 from opencomposer.inference.prefix_cache import Match, PrefixCache
+from opencomposer.inference.provenance import Spans, merged, new_tag, shared_rows
 from opencomposer.inference.sampling import SamplingParams, sample, sample_rows
 from opencomposer.model.linear import prepare_inference
 
@@ -100,38 +104,8 @@ class _Group:
     done: int = 0  # prompt tokens whose KV is in the first slot
     experts: list = field(default_factory=list)
     mtp_h: torch.Tensor | None = None  # the main hidden state of the last prefilled position
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    slots: int = 32
-    """Concurrent sequences (KV-cache slots)."""
-    max_len: int | None = None
-    """Tokens per sequence, prompt included (default: the model's max_position_embeddings)."""
-    detokenize_every: int = 1
-    """Check stop strings every this many tokens."""
-    prefill_tokens: int = 8192
-    """Most prompt tokens prefilled in one step while nothing decodes (equal-length chunks are batched)."""
-    prefill_chunk: int = 512
-    """Most prompt tokens prefilled in one step while other sequences decode: a long prompt is spread
-    over several steps instead of stalling the batch."""
-    prefix_cache_mb: int = 1024
-    """Memory for KV kept across requests (the prefix cache); 0 turns it off."""
-    keep_stale_prefix: bool = False
-    """Keep cached KV across a weight update (PipelineRL-style: the next requests reuse context computed
-    by older weights, recorded per sequence as `prefix_version`); default: an update clears the cache."""
-    fairness: int = 8
-    """A waiting request is overtaken by better-cached (or smaller) ones at most this many times."""
-    speculative: bool = False
-    """MTP speculative decoding: the model's first MTP head drafts one token per step, the main
-    model verifies it in the same forward as the next one (models with MTP heads only)."""
-    fuse_products: bool = True
-    """q/k/v and gate/up as one product each on CPU (`model/linear.py`)."""
-    pack_weights: bool = True
-    """The products' weights kept in oneDNN's packed layout on CPU (`model/linear.py`): faster
-    decode, at the cost of a copy of the model's product weights (about 540 MB for SmolLM2-135M)."""
-    max_waiting: int = 256
-    """Sequences queued for a slot at most; past it `submit` raises EngineBusy (a server answers 429)."""
+    spans: Spans = ()  # of the prefix copied in from the prefix cache
+    tag: int = field(default_factory=new_tag)  # names the KV this group's prefill computes
 
 
 class Engine:
@@ -156,6 +130,7 @@ class Engine:
         self._prefilling: list[_Group] = []
         self.prefix = PrefixCache(self.config.prefix_cache_mb << 20) if self.config.prefix_cache_mb > 0 else None
         self._running: dict[int, Sequence] = {}
+        self._spans: dict[int, Spans] = {}  # slot -> where its prompt's KV came from (`provenance.py`)
         self._cond = threading.Condition()
         self._update: tuple[dict, int] | None = None
         self.threads = torch.get_num_threads()  # what the engine's steps compute with (`set_threads`)
@@ -165,7 +140,7 @@ class Engine:
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0,
                       "decode_seconds": 0.0, "weight_updates": 0, "aborted": 0,
                       "drafted": 0, "accepted": 0, "cached_prompt_tokens": 0, "prefill_forwards": 0,
-                      "prefill_seconds": 0.0}
+                      "prefill_seconds": 0.0, "decode_shared_rows": 0}
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, n: int = 1) -> list[Sequence]:
@@ -379,6 +354,7 @@ class Engine:
         use = 0 if m is None else (max(m.length - 1, 0) if self.spec else m.length)
         if use:
             g.experts = self.prefix.load(m, self.cache, g.slots[0], upto=use, mtp_cache=self.mtp_cache)
+            g.spans = self.prefix.spans(m, use)
         g.done = use
         version = self.version if not use else min(self.version, m.version)
         for s in g.seqs:
@@ -441,15 +417,17 @@ class Engine:
         with self._cond:
             self._prefilling.remove(g)
         s0 = g.seqs[0]
+        spans = merged((*g.spans, (len(g.prompt), g.tag)))
         if self.prefix is not None and (s0.kv_version == self.version or self.config.keep_stale_prefix):
             self.prefix.insert(g.prompt, self.cache, first, s0.kv_version,
-                               experts=g.experts if self.is_moe else None, mtp_cache=self.mtp_cache)
+                               experts=g.experts if self.is_moe else None, mtp_cache=self.mtp_cache, spans=spans)
         if len(g.slots) > 1:
             self.cache.copy(first, g.slots[1:])
             if self.spec:
                 self.mtp_cache.copy(first, g.slots[1:])
         for s, slot in zip(g.seqs, g.slots):
             s.slot = slot
+            self._spans[slot] = spans  # the other slots hold copies of the first's
             if self.is_moe:
                 s.experts = list(g.experts)
             self._running[slot] = s
@@ -471,7 +449,11 @@ class Engine:
             speculate(self, live, rows)
         else:
             ids = torch.tensor([[s.tokens[-1]] for s in live])
-            out = self.model.run(ids, cache=self.cache, rows=rows, logits="last")
+            self.cache.shared = self._shared_prefix(live)
+            try:
+                out = self.model.run(ids, cache=self.cache, rows=rows, logits="last")
+            finally:
+                self.cache.shared = None
             drawn = sample_rows(out.logits[:, -1], [s.params for s in live], [s.gen for s in live])
             for i, s in enumerate(live):
                 if out.routed_experts is not None:
@@ -481,6 +463,17 @@ class Engine:
                     s.pending.append((out.hidden[i, -1], s.tokens[-1]))
         self.stats["decode_steps"] += 1
         self.stats["decode_seconds"] += time.perf_counter() - t0
+
+    def _shared_prefix(self, live: list[Sequence]):
+        """The rows of this decode step that read a prefix they share once (`provenance`)."""
+        # MLA (the MoE family) decodes through `KVCache.write` and its own attention, not
+        # `decode_attend`: nothing there reads a shared prefix
+        if not self.config.shared_prefix_attention or self.is_moe or len(live) < 2:
+            return None
+        shared = shared_rows([(s.slot, self._spans.get(s.slot, ())) for s in live], self.config.shared_prefix_min)
+        if shared is not None:
+            self.stats["decode_shared_rows"] += len(shared.slots)
+        return shared
 
     def _draft_logits(self, live: list[Sequence]) -> torch.Tensor:
         from opencomposer.inference.speculative import draft_logits
@@ -527,6 +520,7 @@ class Engine:
         if s.slot is not None and self._running.get(s.slot) is s:
             del self._running[s.slot]
             self._keep(s, reason)
+            self._spans.pop(s.slot, None)
             self.cache.reset([s.slot])
             if self.mtp_cache is not None:
                 self.mtp_cache.reset([s.slot])
@@ -552,7 +546,8 @@ class Engine:
             n = min(n, int(self.mtp_cache.lengths[s.slot]) + 1)
         full = s.prompt + s.tokens
         self.prefix.insert(full[:n], self.cache, s.slot, s.kv_version,
-                           experts=s.experts[:n] if s.experts is not None else None, mtp_cache=self.mtp_cache)
+                           experts=s.experts[:n] if s.experts is not None else None, mtp_cache=self.mtp_cache,
+                           spans=self._spans.get(s.slot, ()))
 
     # -- background thread ------------------------------------------------------------------------
     def start(self) -> "Engine":

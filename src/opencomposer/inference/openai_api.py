@@ -280,6 +280,8 @@ class Frontend:
         metric("generated_tokens_total", "counter", st["generated_tokens"], "tokens sampled")
         metric("decode_steps_total", "counter", st["decode_steps"], "batched decode steps")
         metric("decode_seconds_total", "counter", round(st["decode_seconds"], 6), "time in decode steps")
+        metric("decode_shared_prefix_rows_total", "counter", st["decode_shared_rows"],
+               "rows of decode steps that read a prefix shared with other rows once for all of them")
         metric("aborted_total", "counter", st["aborted"], "sequences aborted")
         metric("weight_updates_total", "counter", st["weight_updates"], "in-flight weight updates applied")
         metric("spec_drafted_total", "counter", st["drafted"], "MTP draft tokens proposed")

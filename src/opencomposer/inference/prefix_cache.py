@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-Layers = list  # per cache layer: a tuple of (H, n, D) tensors, or None for a layer the cache does not store
+from opencomposer.inference.provenance import Spans, merged, new_tag
 
+Layers = list  # per cache layer: a tuple of (H, n, D) tensors, or None for a layer the cache does not store
 
 @dataclass(eq=False)
 class Node:
@@ -46,6 +47,8 @@ class Node:
     state i and token i+1) lives with token i+1, so a node's entries depend only on tokens on its path."""
     refs: int = 0
     last_used: int = 0
+    tag: int = field(default_factory=new_tag)
+    """Names this node's KV (`new_tag`); both halves of a split keep it: their positions differ."""
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +67,7 @@ class Node:
 
         head = Node(self.tokens[:k], cut(self.kv, 0, k), self.version, parent=self.parent,
                     experts=None if self.experts is None else self.experts[:k].clone(), mtp=cut(self.mtp, 0, k),
-                    refs=self.refs, last_used=self.last_used)
+                    refs=self.refs, last_used=self.last_used, tag=self.tag)
         self.parent.children[self.tokens[0]] = head
         self.kv, self.mtp = cut(self.kv, k, len(self.tokens)), cut(self.mtp, k, len(self.tokens))
         if self.experts is not None:
@@ -152,6 +155,18 @@ class PrefixCache:
             mtp_cache.lengths[slot] = upto
         return experts
 
+    @staticmethod
+    def spans(m: Match, upto: int) -> Spans:
+        """The spans of the first `upto` matched positions as `load` copies them."""
+        pos, out = 0, []
+        for node, k in m.path:
+            take = min(k, upto - pos)
+            if take <= 0:
+                break
+            pos += take
+            out.append((pos, node.tag))
+        return merged(out)
+
     def lock(self, m: Match, delta: int = 1) -> None:
         """Reference (delta=1) or release (delta=-1) the matched path. Walks up from the last node,
         so a node split since the lock was taken is released through its new parent."""
@@ -162,10 +177,12 @@ class PrefixCache:
 
     # -- insert and evict -------------------------------------------------------------------------
     def insert(self, tokens: list[int], cache, slot: int, version: int, *, experts: list | None = None,
-               mtp_cache=None) -> int:
+               mtp_cache=None, spans: Spans = ()) -> int:
         """Keep the KV at positions [0, len(tokens)) of `slot` (the KV of `tokens`); only what the
         tree does not hold yet is copied. With `mtp_cache`, its entries 0..len-2 are kept too (the
-        caller passes only as many tokens as both caches hold). Returns the tokens added."""
+        caller passes only as many tokens as both caches hold). `spans`, the slot's: a new node
+        lying inside one of them takes its tag, since it holds the same bytes. Returns the tokens
+        added."""
         node, pos = self.root, 0
         now = next(self._clock)
         while pos < len(tokens):
@@ -187,6 +204,11 @@ class PrefixCache:
         if all(t is None for t in kv):  # a model that caches nothing (a test fake): nothing to keep
             return 0
         new = Node(tuple(tokens[pos:]), kv, version, parent=node, last_used=now)
+        start = 0
+        for end, tag in spans:
+            if start <= pos and len(tokens) <= end:
+                new.tag = tag
+            start = end
         if experts is not None:
             new.experts = torch.tensor(experts[pos:len(tokens)], dtype=torch.int32)
         if mtp_cache is not None:

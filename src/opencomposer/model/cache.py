@@ -28,6 +28,9 @@ class KVCache:
         self._store: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
         self._cap = 0
         self._plan: _DecodePlan | None = None  # the current forward's (`decode_attend`)
+        self.shared: SharedPrefix | None = None
+        """Set by the caller before a decode forward: slots whose keys and values over a common
+        prefix are the same bytes (`decode_attend` reads that prefix once for all of them)."""
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def rows_tensor(self, rows) -> torch.Tensor:
@@ -133,7 +136,13 @@ class KVCache:
         episodes (turns end at different times, and a prefilling request holds slots in between):
         at a 2k-token context that copy was several times the attention itself. Where each row
         writes, which rows form a run and their masks are worked out once per forward
-        (`_DecodePlan`), not in every layer."""
+        (`_DecodePlan`), not in every layer.
+
+        With `shared` set, the rows it names attend over their common prefix in one product for
+        all of them (cascade attention, as FlashInfer's shared-prefix kernels), and over the rest of
+        their own keys as above; the two parts are merged through their softmax normalisers. The
+        agent's system prompt and tool schemas (about 1,200 of SmolLM2's tokens) open every request,
+        so every row of a batch read them from its own slot, most of the keys of a decode step."""
         plan = self._decode_plan(rows)
         self._grow(plan.need, (k, v), layer)
         store = self._store[layer]
@@ -144,9 +153,17 @@ class KVCache:
                 st[a:a + n, :, s0:s0 + 1] = x
             else:
                 st[rows, :, plan.starts] = x[:, :, 0]
-        out = [_decode_attend(q[i:j], store[0][a:a + j - i, :, :end], store[1][a:a + j - i, :, :end], mask, scale)
-               for i, j, a, end, mask in plan.runs]
-        return out[0] if len(out) == 1 else torch.cat(out)
+        if plan.members is None:
+            return _attend_runs(q, store, plan.runs, scale)
+        members, others, n, src = plan.members, plan.others, plan.prefix, plan.src
+        qm = q if others is None else q.index_select(0, members)
+        out = _cascade(qm, store[0][src, :, :n], store[1][src, :, :n], store, plan.member_runs, n, scale)
+        if others is None:
+            return out
+        full = torch.empty_like(q)
+        full.index_copy_(0, members, out)
+        full.index_copy_(0, others, _attend_runs(q.index_select(0, others), store, plan.runs, scale))
+        return full
 
     def _decode_plan(self, rows: torch.Tensor) -> _DecodePlan:
         """The plan for one decode forward over `rows`, made by its first layer and reused by the
@@ -154,7 +171,7 @@ class KVCache:
         `positions` (which drops the plan), and the plan holds `rows` itself, so the same object
         is the same forward's."""
         if self._plan is None or self._plan.rows is not rows:
-            self._plan = _DecodePlan(rows, self.lengths[rows])
+            self._plan = _DecodePlan(rows, self.lengths[rows], self.shared)
         return self._plan
 
     def _put_rows(self, layer: int, rows: torch.Tensor, starts: torch.Tensor, new: tuple[torch.Tensor, ...],
@@ -177,32 +194,64 @@ class KVCache:
         return store
 
 
+class SharedPrefix:
+    """Slots whose cached keys and values at positions [0, length) are the same bytes: copies of
+    one prefill (the n samples of a request) or of one prefix-cache node (every request that
+    starts with the agent's system prompt). The engine knows this from where each slot's KV came
+    from; the cache cannot check it, so only a caller that knows sets it."""
+
+    __slots__ = ("length", "slots")
+
+    def __init__(self, length: int, slots):
+        self.length, self.slots = int(length), frozenset(int(s) for s in slots)
+
+
 class _DecodePlan:
     """Where one decode forward writes and reads (`KVCache.decode_attend`): each row's offset, the
     slice its rows form when they are consecutive slots at one offset, and the runs of consecutive
-    slots with each run's length and key mask."""
+    slots with each run's length and key mask. With a shared prefix: which rows read it (at least
+    two, each past it), the slot it is read from, and the members' runs over their keys after it."""
 
-    __slots__ = ("block", "need", "rows", "runs", "starts")
+    __slots__ = ("block", "member_runs", "members", "need", "others", "prefix", "rows", "runs", "src", "starts")
 
-    def __init__(self, rows: torch.Tensor, starts: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, starts: torch.Tensor, shared: SharedPrefix | None = None):
         self.rows, self.starts = rows, starts
         slots, begin = rows.tolist(), starts.tolist()
         self.need = max(begin) + 1
         lens = [b + 1 for b in begin]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         self.block = (slots[0], len(slots), begin[0]) if consecutive and len(set(begin)) == 1 else None
-        self.runs: list[tuple[int, int, int, int, torch.Tensor | None]] = []
-        i = 0
-        while i < len(slots):
-            j = i + 1
-            while j < len(slots) and slots[j] == slots[j - 1] + 1:
-                j += 1
-            end = max(lens[i:j])
-            mask = None
-            if min(lens[i:j]) != end:
-                mask = torch.arange(end)[None] < torch.tensor(lens[i:j])[:, None]
-            self.runs.append((i, j, slots[i], end, mask))
-            i = j
+        self.members = self.others = None
+        self.prefix, self.src, self.member_runs = 0, -1, []
+        # a row shares only positions it holds already (its new token is written past them)
+        inside = []
+        if shared is not None and shared.length > 0:
+            inside = [i for i, (s, b) in enumerate(zip(slots, begin)) if s in shared.slots and b >= shared.length]
+        if len(inside) >= 2:
+            rest = sorted(set(range(len(slots))) - set(inside))
+            self.prefix, self.src = shared.length, slots[inside[0]]
+            self.members = torch.tensor(inside)
+            self.others = torch.tensor(rest) if rest else None
+            self.member_runs = _runs([slots[i] for i in inside], [lens[i] for i in inside])
+            self.runs = _runs([slots[i] for i in rest], [lens[i] for i in rest])
+        else:
+            self.runs = _runs(slots, lens)
+
+
+def _runs(slots: list[int], lens: list[int]) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
+    """(i, j, first slot, keys to read, key mask or None) for each run of consecutive slots."""
+    runs, i = [], 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        end = max(lens[i:j])
+        mask = None
+        if min(lens[i:j]) != end:
+            mask = torch.arange(end)[None] < torch.tensor(lens[i:j])[:, None]
+        runs.append((i, j, slots[i], end, mask))
+        i = j
+    return runs
 
 
 class LowerRightCausal:
@@ -274,6 +323,46 @@ def _decode_attend(q, k, v, mask, scale):
         scores = scores.view(b, hk, g, s).masked_fill_(~mask.reshape(mask.shape[0], 1, 1, s), float("-inf"))
     probs = torch.softmax(scores.view(b * hk, g, s), dim=-1)
     return torch.bmm(probs, v.reshape(b * hk, s, v.shape[-1])).view(b, hq, 1, v.shape[-1])
+
+
+def _attend_runs(q, store, runs, scale):
+    """`_decode_attend` of each run of rows over its slots' keys."""
+    out = [_decode_attend(q[i:j], store[0][a:a + j - i, :, :end], store[1][a:a + j - i, :, :end], mask, scale)
+           for i, j, a, end, mask in runs]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _cascade(q, kp, vp, store, runs, n: int, scale):
+    """Attention of decoding rows q (R, Hq, 1, D) over a prefix they share (kp, vp: (Hk, n, D)) and
+    each over its own keys from position n on (`runs`, as in `_decode_attend`). The prefix's scores
+    come from one product for all rows (the R rows' query heads of each key head stacked as that
+    product's rows), so the prefix is read once, not R times; each run of rows adds its own keys'
+    scores beside them, and one softmax over both gives the probabilities, which go back through
+    the prefix's values in one product and through each run's own values. Equal to
+    `_decode_attend` over the whole keys to ~1e-7 in float32. Fewer, larger calls than two
+    separately normalised halves merged afterwards (FlashAttention's merge), which cost more in
+    small-op overhead than the prefix saved at four rows."""
+    b, hq, _, d = q.shape
+    hk = kp.shape[0]
+    g = hq // hk
+    q = q * (scale if scale is not None else d ** -0.5)
+    sp = torch.bmm(q.view(b, hk, g, d).transpose(0, 1).reshape(hk, b * g, d), kp.transpose(1, 2))
+    sp = sp.view(hk, b, g, n).transpose(0, 1)  # (b, hk, g, n), a view
+    own, prefix_probs = [], []
+    for i, j, a, end, mask in runs:
+        r = j - i
+        k = store[0][a:a + r, :, n:end].reshape(r * hk, end - n, d)
+        ss = torch.bmm(q[i:j].reshape(r * hk, g, d), k.transpose(1, 2)).view(r, hk, g, end - n)
+        if mask is not None:
+            ss.masked_fill_(~mask[:, None, None, n:], float("-inf"))
+        probs = torch.softmax(torch.cat([sp[i:j], ss], dim=-1), dim=-1)  # (r, hk, g, end)
+        v = store[1][a:a + r, :, n:end].reshape(r * hk, end - n, d)
+        own.append(torch.bmm(probs[..., n:].reshape(r * hk, g, end - n), v))
+        prefix_probs.append(probs[..., :n])
+    pp = prefix_probs[0] if len(prefix_probs) == 1 else torch.cat(prefix_probs)
+    op = torch.bmm(pp.transpose(0, 1).reshape(hk, b * g, n), vp).view(hk, b, g, d).transpose(0, 1)
+    out = own[0] if len(own) == 1 else torch.cat(own)
+    return out.view(b, hk, g, d).add_(op).view(b, hq, 1, d)
 
 
 def segment_positions_and_mask(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
