@@ -13,9 +13,11 @@ so each episode follows the task's demonstration (`evals/demonstration.py`: grep
 compile, answer — five turns): every turn the harness sends the conversation so far to the policy
 under test, which generates up to --turn-tokens tokens (greedy; measured, then discarded), and the
 demonstration's turn is what the harness executes. What each policy sees is therefore exactly what
-the harness sends, and the same for the three policies (`no model` calls none):
+the harness sends, and the same for every policy (`no model` calls none):
 - `cache on` / `cache off`: SmolLM2-135M behind our server (the official `openai` client through
-  `OpenAIPolicy`), --concurrency episodes in flight, prefix cache on or off;
+  `OpenAIPolicy`), --concurrency episodes in flight, prefix cache on or off; `cache on, shared
+  prefix off`: the cache on, but each decoding row reads the system prompt from its own slot
+  (`EngineConfig.shared_prefix_attention` false);
 - `transformers`: the same rendering (our ChatRenderer, so the same prompt ids) fed to
   `AutoModelForCausalLM.generate` one request at a time (what a user of plain transformers gets;
   its episodes still run --concurrency at a time, so sandbox work overlaps);
@@ -268,12 +270,12 @@ def run_episodes(tasks: Path, factory, args, out: Path) -> tuple[float, dict]:
     return time.perf_counter() - t, summary
 
 
-def served(folder: Path, tasks: Path, cache: bool, args, out: Path) -> dict:
+def served(folder: Path, tasks: Path, cache: bool, args, out: Path, shared: bool = True) -> dict:
     from opencomposer.harness.openai_policy import OpenAIPolicy
     from opencomposer.inference.server import ServeConfig, Server, load_served
 
     engine, tok = load_served(folder, slots=max(4, args.concurrency), max_len=8192,
-                              prefix_cache_mb=2048 if cache else 0)
+                              prefix_cache_mb=2048 if cache else 0, shared_prefix_attention=shared)
     with Server(engine, tok, "smol", ServeConfig(port=0)) as srv:
         pol = OpenAIPolicy(base_url=srv.url, model="smol", temperature=0.0, max_tokens=args.turn_tokens,
                            timeout_s=1800)
@@ -328,13 +330,15 @@ def episodes_section(folder: Path, tmp: Path, args) -> list[str]:
     tasks = tmp / "tasks"
     build_default(tasks, DefaultBenchmarkConfig(sources=("colorsys", "graphlib"),
                                                 build=BuildConfig(max_single=4, max_multi=0)))
-    modes = ["cache on", "cache off"] + ([] if args.skip_transformers else ["transformers"]) + ["no model"]
+    modes = ["cache on", "cache on, shared prefix off", "cache off"] + \
+        ([] if args.skip_transformers else ["transformers"]) + ["no model"]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for m in modes if r % 2 == 0 else modes[::-1]:
             out = tmp / f"run-{r}-{m.replace(' ', '-')}"
             res = transformers_run(folder, tasks, args, out) if m == "transformers" else \
-                no_policy(tasks, args, out) if m == "no model" else served(folder, tasks, m == "cache on", args, out)
+                no_policy(tasks, args, out) if m == "no model" else \
+                served(folder, tasks, m != "cache off", args, out, shared=m == "cache on")
             runs[m].append(res)
             print(m, r, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
     eps = {m: statistics.median(x["episodes"] * 60 / x["seconds"] for x in v) for m, v in runs.items()}
@@ -355,7 +359,9 @@ def episodes_section(folder: Path, tmp: Path, args) -> list[str]:
             split = (f"{statistics.median(x['prefill_s'] / x['seconds'] for x in v):.0%} / "
                      f"{statistics.median(x['decode_s'] / x['seconds'] for x in v):.0%}")
         lines.append(f"| {m} | {eps[m]:.2f} | {pre:.0f} | {cached:.0%} | {gen:.0f} | {split} | {acc:.0%} |")
-    lines += ["", f"Cache on / cache off: **{eps['cache on'] / eps['cache off']:.2f}x** episodes per minute (goal: 3x)"
+    lines += ["", f"Cache on / cache off: **{eps['cache on'] / eps['cache off']:.2f}x** episodes per minute (goal: 3x); "
+              f"shared-prefix decode attention on / off, both with the cache: "
+              f"**{eps['cache on'] / eps['cache on, shared prefix off']:.2f}x**"
               + (f"; cache on / transformers: **{eps['cache on'] / eps['transformers']:.2f}x**."
                  if "transformers" in eps else ".")]
     return lines

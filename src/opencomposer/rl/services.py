@@ -22,6 +22,7 @@ evaluator turns (eval config, policy URL) into a summary — so where they run i
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import logging
 import multiprocessing
@@ -170,7 +171,9 @@ class ReplicaProcess(Replica):
         try:
             with urllib.request.urlopen(self._url.removesuffix("/v1") + "/health", timeout=5) as r:
                 self._health = json.loads(r.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
+            # HTTPException: a replica that dies mid-answer (killed, out of memory) leaves a short
+            # body (IncompleteRead), which is not an OSError (seen in the Ray test after it killed the replica)
             self._health = {}
         self._health_at = time.monotonic()
         return self._health
@@ -192,7 +195,7 @@ class ReplicaProcess(Replica):
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 r.read()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, http.client.HTTPException) as e:
             log.warning("could not set the replica's threads to %d: %s", n, e)
             return False
         return True
