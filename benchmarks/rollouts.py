@@ -219,6 +219,7 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
             KVCache.decode_attend = plain_attend
         attn[("shared on" if share else "shared off", p.shape[0])].append(spent[0] / (new - 1))
         return secs
+
     for r in range(rounds):
         g = torch.Generator().manual_seed(r)
         for b in batches:

@@ -33,6 +33,7 @@ from opencomposer.inference.provenance import Spans, merged, new_tag
 
 Layers = list  # per cache layer: a tuple of (H, n, D) tensors, or None for a layer the cache does not store
 
+
 @dataclass(eq=False)
 class Node:
     tokens: tuple[int, ...]
