@@ -139,10 +139,10 @@ class KVCache:
         (`_DecodePlan`), not in every layer.
 
         With `shared` set, the rows it names attend over their common prefix in one product for
-        all of them (cascade attention, as FlashInfer's shared-prefix kernels), and over the rest of
-        their own keys as above; the two parts are merged through their softmax normalisers. The
-        agent's system prompt and tool schemas (about 1,200 of SmolLM2's tokens) open every request,
-        so every row of a batch read them from its own slot, most of the keys of a decode step."""
+        all of them (cascade attention, as FlashInfer's shared-prefix kernels) and over the rest of
+        their own keys, under one softmax (`_cascade`). The agent's system prompt and tool schemas
+        (about 1,200 of SmolLM2's tokens) open every request; without this every row read them from
+        its own slot, most of the keys of a decode step."""
         plan = self._decode_plan(rows)
         self._grow(plan.need, (k, v), layer)
         store = self._store[layer]
