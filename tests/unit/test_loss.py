@@ -21,10 +21,12 @@ def _inputs():
     return torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
 
 
-def test_cross_entropy_matches_torch(small_chunks):
+@pytest.mark.parametrize("ignored", [[3, 20], [*range(10), *range(19, 30), *range(31, 37)]],
+                         ids=["few-ignored", "sft-like"])
+def test_cross_entropy_matches_torch(small_chunks, ignored):
     h, w = _inputs()
     labels = torch.randint(0, 50, (37,))
-    labels[[3, 20]] = loss.IGNORE
+    labels[ignored] = loss.IGNORE
     ours = loss.cross_entropy(h, w, labels)
     (2 * ours).backward()
     gh, gw = h.grad.clone(), w.grad.clone()
@@ -33,6 +35,24 @@ def test_cross_entropy_matches_torch(small_chunks):
     (2 * ref).backward()
     assert abs(ours.item() - ref.item()) < 1e-5
     assert torch.allclose(gh, h.grad, atol=1e-6) and torch.allclose(gw, w.grad, atol=1e-6)
+
+
+def test_cross_entropy_puts_only_labelled_rows_through_the_head(monkeypatch):
+    """SFT labels the assistant's few hundred tokens of a ~2,000-token conversation: the head's
+    products run on those rows alone, and a sequence with no label costs nothing and trains nothing."""
+    rows = []
+    real = loss.times_t
+    monkeypatch.setattr(loss, "times_t", lambda a, b: rows.append(a.shape[0]) or real(a, b))
+    h, w = _inputs()
+    labels = torch.full((37,), loss.IGNORE)
+    labels[12:17] = torch.randint(0, 50, (5,))
+    loss.cross_entropy(h, w, labels)
+    assert rows[0] == 5  # the logits product; the gradient products follow on the same rows
+    labels[:] = loss.IGNORE
+    rows.clear()
+    out = loss.cross_entropy(h, w, labels)
+    out.backward()
+    assert rows == [] and out.item() == 0.0 and not h.grad.any() and not w.grad.any()
 
 
 def test_token_logprobs_match_log_softmax(small_chunks):
