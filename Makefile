@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup browser speedrun test test-slow bench clean
+.PHONY: setup browser compiler speedrun test test-slow bench clean
 
-setup: $(STAMP) browser
+setup: $(STAMP) browser compiler
 
 # Debian's chromium: the report card's test renders the page in a real headless browser.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -16,6 +16,15 @@ browser:
 	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
 	    --no-install-recommends chromium >/dev/null; } || \
 	  echo "warning: could not install chromium (apt-get); the report card's browser test will fail"
+
+# g++ and Python's headers: the engine builds its decode-products kernel on first use
+# (kernels/decode_products.py); without them it keeps every product on oneDNN, slower.
+compiler:
+	@{ command -v g++ >/dev/null 2>&1 && $(PY) -c "import sysconfig, os, sys; \
+	  sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; } || \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+	    --no-install-recommends g++ python3-dev >/dev/null; } || \
+	  echo "warning: could not install g++ (apt-get); decode products stay on oneDNN"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)

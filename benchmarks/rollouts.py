@@ -27,9 +27,11 @@ The engine's own clock (prefill and decode seconds, `Engine.stats`) says how muc
 run's wall time the model took.
 
 Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
-the first (prefill excluded) for our engine as it serves (products on oneDNN, q/k/v and gate/up
-fused, weights packed: `model/linear.py`), the same engine with plain products (neither fused nor
-packed, still oneDNN), the same engine on aten's `F.linear` (MKL here), and transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
+the first (prefill excluded) for our engine as it serves (decode-sized products on the decode
+kernel, `kernels/decode_products.py`, the rest on oneDNN; q/k/v and gate/up fused, weights packed:
+`model/linear.py`), the same engine with every product on oneDNN, the same engine with plain
+products (not fused, not packed, no decode kernel: oneDNN), the same engine on aten's `F.linear`
+(MKL here), and transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
 FLOPs per weight per row; with the memory bandwidth (a float32 sum over 512 MB) and FLOP/s (the
 faster of aten's and oneDNN's 2048^3 float32 product) measured here, bound = B / max(bytes /
 bandwidth, flops / FLOP/s).
@@ -90,7 +92,7 @@ def machine_bound() -> tuple[float, float]:
 
 # -- decode -------------------------------------------------------------------------------------------
 def ours_decode(model, prompts: torch.Tensor, new: int, prepared: bool = True, shared: int = 0,
-                share: bool = True) -> float:
+                share: bool = True, kernel: bool = True) -> float:
     """Decode seconds for the tokens after the first; with `shared`, one request of the prompts'
     first `shared` tokens is served first, so that the batch finds them in the prefix cache."""
     from opencomposer.inference.engine import Engine, EngineConfig
@@ -98,6 +100,7 @@ def ours_decode(model, prompts: torch.Tensor, new: int, prepared: bool = True, s
 
     engine = Engine(model, config=EngineConfig(slots=prompts.shape[0], max_len=prompts.shape[1] + new + 1,
                                                fuse_products=prepared, pack_weights=prepared,
+                                               decode_kernel=prepared and kernel,
                                                shared_prefix_attention=share))
     if shared:
         engine.generate(prompts[0, :shared].tolist() + [0], SamplingParams(temperature=0.0, max_tokens=1))
@@ -147,13 +150,13 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
     params = sum(p.numel() for p in mine.parameters())  # tied head: the embedding is read once, as the head
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     new, plen = 32, 64
-    impls = ("ours", "ours plain", "ours on aten", "transformers")
+    impls = ("ours", "ours on oneDNN", "ours plain", "ours on aten", "transformers")
     res = {(impl, b): [] for impl in impls for b in BATCHES}
 
-    def ours(p, backend, prepared=True):
+    def ours(p, backend, prepared=True, kernel=True):
         before = linear.set_backend(backend)
         try:
-            return ours_decode(mine, p, new, prepared)
+            return ours_decode(mine, p, new, prepared, kernel=kernel)
         finally:
             linear.set_backend(before)
 
@@ -162,25 +165,33 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
         for b in BATCHES:
             prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
             order = [("ours", lambda p=prompts: ours(p, "onednn")),
+                     ("ours on oneDNN", lambda p=prompts: ours(p, "onednn", kernel=False)),
                      ("ours plain", lambda p=prompts: ours(p, "onednn", prepared=False)),
                      ("ours on aten", lambda p=prompts: ours(p, "aten")),
                      ("transformers", lambda p=prompts: hf_decode(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
-    lines = [f"Our products ran on {linear.backend()} (`model/linear.py`), q/k/v and gate/up fused and weights "
-             "packed; `plain` is the same engine with neither (`EngineConfig.fuse_products` and `pack_weights` "
-             "false); `on aten` is the same engine on `F.linear` (where neither applies).", "",
-             "| batch | ours tok/s | ours plain tok/s | ours on aten tok/s | transformers tok/s | "
-             "ours / transformers | roofline bound tok/s | ours / bound |",
-             "|---|---|---|---|---|---|---|---|"]
+    from opencomposer.kernels import decode_products
+
+    kernel = ("the decode kernel (`kernels/decode_products.py`) for decode-sized products, oneDNN for the rest"
+              if decode_products.load() is not None else
+              f"oneDNN: the decode kernel was unavailable ({decode_products.unavailable()})")
+    lines = [f"`ours` ran its products on {kernel}, q/k/v and gate/up fused and weights packed; `on oneDNN` is "
+             f"the same engine without the decode kernel (`EngineConfig.decode_kernel` false: every product on "
+             f"{linear.backend()}); `plain` is the same engine with none of the three (`fuse_products`, "
+             "`pack_weights` and `decode_kernel` false); `on aten` is the same engine on `F.linear` (where none "
+             "applies).", "",
+             "| batch | ours tok/s | ours on oneDNN tok/s | ours plain tok/s | ours on aten tok/s | transformers tok/s | "
+             "ours / on oneDNN | ours / transformers | roofline bound tok/s | ours / bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for b in BATCHES:
-        o, u, a, h = (statistics.median(res[(i, b)]) for i in impls)
+        o, d, u, a, h = (statistics.median(res[(i, b)]) for i in impls)
         ctx = plen + new // 2
         step = max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
         bound = b / step
-        lines.append(f"| {b} | {o:.1f} | {u:.1f} | {a:.1f} | {h:.1f} | **{o / h:.2f}x** | {bound:.0f} | "
-                     f"**{o / bound:.2f}** |")
+        lines.append(f"| {b} | {o:.1f} | {d:.1f} | {u:.1f} | {a:.1f} | {h:.1f} | **{o / d:.2f}x** | **{o / h:.2f}x** | "
+                     f"{bound:.0f} | **{o / bound:.2f}** |")
     return lines
 
 

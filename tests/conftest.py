@@ -15,6 +15,17 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session):
+    """Build the engine's decode-products kernel before any test's clock starts: its first build takes
+    about a minute on a busy 2-core machine (later processes load the cached build in about a second),
+    and would otherwise land inside whichever test first starts an engine."""
+    try:
+        from opencomposer.kernels import decode_products
+    except ImportError:  # no torch: nothing builds it
+        return
+    decode_products.load()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _state_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("oc-state")

@@ -137,3 +137,38 @@ def test_engine_products_match_and_follow_weight_updates(onednn, pack):
     for p in (model.layers[0].self_attn.q_proj.weight, model.layers[0].mlp.gate_proj.weight,
               model.layers[0].self_attn.o_proj.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+@needs_onednn
+def test_decode_sized_products_run_on_the_decode_kernel_and_see_weight_updates(onednn):
+    """With `decode`, products of at most 8 rows (a decode step) go to `kernels/decode_products.py`
+    (fused q/k/v and gate/up in one call, no copy): the same logits as the plain model, and new
+    logits at once after an in-place weight update; a larger batch stays on oneDNN."""
+    from opencomposer.kernels import decode_products as dp
+
+    if dp.load() is None:
+        pytest.skip(dp.unavailable() or "kernel unavailable")
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = LlamaModel(cfg).eval()
+    small, large = torch.randint(0, cfg.vocab_size, (2, 3)), torch.randint(0, cfg.vocab_size, (2, 9))
+    calls = []
+    real = dp.products
+    dp.products = lambda x, ws: calls.append((x.numel() // x.shape[-1], len(ws))) or real(x, ws)
+    try:
+        with torch.no_grad():
+            plain_small, plain_large = model(small), model(large)
+            n = lin.prepare_inference(model, pack=8, decode=True)
+            assert n["decode"] == 7 * cfg.num_hidden_layers + 1
+            calls.clear()
+            _close(model(small), plain_small)
+            assert len(calls) == 4 * cfg.num_hidden_layers + 1 and all(rows == 6 for rows, _ in calls)
+            assert sum(k == 3 for _, k in calls) == cfg.num_hidden_layers  # q, k and v in one call
+            _close(model(large), plain_large)  # 18 rows: oneDNN's packed product (the kernel declines)
+            model.layers[0].mlp.down_proj.weight.mul_(-2.0)
+            updated = model(small)
+            lin.prepare_inference(model, fuse=False)
+            _close(updated, model(small))
+            assert (updated - plain_small).abs().max() > 1e-3
+    finally:
+        dp.products = real

@@ -114,7 +114,8 @@ class Engine:
         self.model = model.eval()
         self.config = config or EngineConfig()
         rows = min(max(self.config.slots, PACK_ROWS[0]), PACK_ROWS[1])
-        prepare_inference(model, fuse=self.config.fuse_products, pack=rows if self.config.pack_weights else None)
+        prepare_inference(model, fuse=self.config.fuse_products, pack=rows if self.config.pack_weights else None,
+                          decode=self.config.decode_kernel)
         self.max_len = self.config.max_len or model.config.max_position_embeddings
         self.cache = model.new_cache(self.config.slots, self.max_len)
         self.eos_ids = tuple(eos_ids)

@@ -33,6 +33,10 @@ class EngineConfig:
     pack_weights: bool = True
     """The products' weights kept in oneDNN's packed layout on CPU (`model/linear.py`): faster
     decode, at the cost of a copy of the model's product weights (about 540 MB for SmolLM2-135M)."""
+    decode_kernel: bool = True
+    """Products of at most 8 rows (decode steps) on the AVX2 kernel of `kernels/decode_products.py`,
+    which reads the weights faster than oneDNN at those sizes on this project's CPU; built on first
+    use (g++ and ninja), oneDNN where it cannot be."""
     max_waiting: int = 256
     """Sequences queued for a slot at most; past it `submit` raises EngineBusy (a server answers 429)."""
     shared_prefix_attention: bool = True

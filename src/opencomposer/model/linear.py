@@ -27,7 +27,11 @@ For an inference engine's model (`prepare_inference`), two more steps, both off 
 Both keep derived copies (the fused and packed weights cost the model's product weights once more:
 about 540 MB for SmolLM2-135M in float32), built on first use and rebuilt whenever a weight's
 storage or version changes (an in-place update or an optimizer step bumps the version), so they
-never serve stale weights. Measured in `benchmarks/rollouts.py --part decode` (docs/benchmarks.md).
+never serve stale weights. And with `decode` (on by default), a product of at most 8 rows (a decode
+step) runs on `kernels/decode_products.py`'s AVX2 kernel over the weights as they are (the fused
+ones side by side, no copy), which reads them faster than oneDNN does at those sizes on an
+AVX2-only CPU; where it cannot run, the oneDNN path above does. Measured in
+`benchmarks/rollouts.py --part decode` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -141,15 +145,27 @@ def _inference(x: torch.Tensor, w: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _eligible(x, w)
 
 
+def _decode_product(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor | None:
+    from opencomposer.kernels import decode_products
+
+    return decode_products.products(x, ws)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state-dict names) whose product is `linear`; in an
-    inference engine's model (`prepare_inference`) with a packed copy of its weight."""
+    inference engine's model (`prepare_inference`) with a packed copy of its weight, and decode-sized
+    products on the decode kernel."""
 
     packed: _Derived | None = None
+    decode: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.packed.pack and self.bias is None and _inference(x, self.weight):
-            return _product(x, self.packed.get([self.weight]))
+        if (self.packed is not None or self.decode) and self.bias is None and _inference(x, self.weight):
+            y = _decode_product(x, [self.weight]) if self.decode else None
+            if y is not None:
+                return y
+            if self.packed is not None and self.packed.pack:
+                return _product(x, self.packed.get([self.weight]))
         return linear(x, self.weight, self.bias)
 
 
@@ -157,9 +173,10 @@ class FusedProducts:
     """`x @ cat(w_1, ..., w_n).T` split back into the n products, for modules whose weights all
     take the same input (module docstring)."""
 
-    def __init__(self, modules: list[nn.Linear], pack: int | None = None):
+    def __init__(self, modules: list[nn.Linear], pack: int | None = None, decode: bool = False):
         self.modules = modules
         self.derived = _Derived(pack)
+        self.decode = decode
 
     def product(self, x: torch.Tensor) -> torch.Tensor | None:
         """The n products side by side (..., sum of out_features), or None where the fused path
@@ -168,7 +185,8 @@ class FusedProducts:
         ws = [m.weight for m in self.modules]
         if any(m.bias is not None for m in self.modules) or not _inference(x, ws[0]):
             return None
-        return _product(x, self.derived.get(ws))
+        y = _decode_product(x, ws) if self.decode else None
+        return y if y is not None else _product(x, self.derived.get(ws))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The n products, or None (as `product`)."""
@@ -176,19 +194,28 @@ class FusedProducts:
         return None if y is None else list(y.split([m.out_features for m in self.modules], -1))
 
 
-def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None = None) -> dict[str, int]:
+def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None = None,
+                      decode: bool = False) -> dict[str, int]:
     """Set up `model` for an inference engine (module docstring): with `fuse`, every module that
     names weights to fuse (a `FUSE` tuple of sub-module names) gets its `FusedProducts`; with
-    `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights.
-    Calling it again replaces the previous set-up (fuse=False, pack=None: the plain model).
-    Returns how many modules got each."""
-    n = {"fused": 0, "packed": 0}
+    `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights; with
+    `decode`, their products of at most 8 rows run on the decode kernel, built here (not in the
+    first decode step) where it is not built yet. Calling it again replaces the previous set-up
+    (fuse=False, pack=None, decode=False: the plain model). Returns how many modules got each
+    ("decode": 0 where the kernel is unavailable, for the reason `decode_products.unavailable()` gives)."""
+    if decode:
+        from opencomposer.kernels import decode_products
+
+        decode = decode_products.load() is not None
+    n = {"fused": 0, "packed": 0, "decode": 0}
     for m in model.modules():
         names = getattr(type(m), "FUSE", None)
         if names:
-            m.fused = FusedProducts([getattr(m, k) for k in names], pack) if fuse else None
+            m.fused = FusedProducts([getattr(m, k) for k in names], pack, decode) if fuse else None
             n["fused"] += bool(fuse)
         if isinstance(m, Linear):
             m.packed = _Derived(pack) if pack else None
+            m.decode = decode
             n["packed"] += bool(pack)
+            n["decode"] += decode
     return n

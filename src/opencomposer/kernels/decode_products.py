@@ -1,0 +1,224 @@
+"""Decode-sized float32 products on an x86 CPU: `x @ cat(w_1, ..., w_n).T` for 1-8 rows of x, in a
+small AVX2 kernel compiled on first use (`torch.utils.cpp_extension`, g++ and ninja).
+
+Why: a decode step multiplies a handful of rows (one per running sequence) by every weight of the
+model, so it is a stream over the weights, and its speed is how fast they are read. On this
+project's AVX2-only EPYC, oneDNN's product read cold weights at about 13 GB/s at 8 rows and MKL's
+at about 7, against a machine that streams 30+ GB/s (docs/benchmarks.md, "Decode against
+transformers and the roofline"). The kernel below reads each weight row once, from front to back,
+and does all of the step's rows against it while it is in registers: R weight rows at a time, 8
+lanes of k per load, one accumulator per (weight row, input row), split over torch's intra-op
+threads by weight rows. Several weights (q/k/v, gate/up) go in one call with no concatenated copy.
+
+Numerics: every output is one dot product accumulated over k in order in 8 float32 lanes, then
+summed across the lanes; the same bits for a row whatever else is in the batch (for 1-8 rows), and
+within float32 rounding of oneDNN's (tests/unit/test_decode_products.py).
+
+Where it does not apply it says so with None, and the caller uses oneDNN: more than 8 rows, not
+float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is logged once), or
+`OPENCOMPOSER_DECODE_PRODUCTS=off`. The build lands in torch's extension folder
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a lock, so processes that start
+together (an RL run's replica and workers) build it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <vector>
+
+static inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// y[b, n] = sum_k x[b, k] w[n, k] for weight rows n in [n0, n1): R of them at a time, B inputs.
+template <int R, int B>
+static void block(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
+                  int64_t K, int64_t n0, int64_t n1) {
+  const int64_t K8 = K & ~int64_t(7);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m256 acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * sw + k);
+      for (int b = 0; b < B; ++b) {
+        const __m256 xv = _mm256_loadu_ps(x + b * sx + k);
+        for (int r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(wv[r], xv, acc[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) {
+        float s = hsum(acc[r][b]);
+        for (int64_t k = K8; k < K; ++k) s += x[b * sx + k] * w[(n + r) * sw + k];
+        y[b * sy + n + r] = s;
+      }
+  }
+  if (R > 1 && n < n1) block<1, B>(x, sx, w, sw, y, sy, K, n, n1);
+}
+
+template <int B>
+static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy, int64_t K,
+                    int64_t n0, int64_t n1) {
+  // Up to 12 accumulators plus the loaded weight rows and an input fit AVX2's 16 registers.
+  constexpr int R = B <= 2 ? 4 : B <= 4 ? 2 : 1;
+  block<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
+}
+
+static void chunk(int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
+                  int64_t K, int64_t n0, int64_t n1) {
+  switch (B) {
+    case 1: rows_of<1>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 2: rows_of<2>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 3: rows_of<3>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 4: rows_of<4>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 5: rows_of<5>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 6: rows_of<6>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 7: rows_of<7>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    default: rows_of<8>(x, sx, w, sw, y, sy, K, n0, n1); break;
+  }
+}
+
+torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>& ws) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: (B, K) float32, rows contiguous");
+  const int64_t B = x.size(0), K = x.size(1);
+  TORCH_CHECK(B >= 1, "at least one row");
+  std::vector<const float*> ptrs;
+  std::vector<int64_t> strides, starts{0};
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == torch::kFloat && w.stride(1) == 1,
+                "each weight: (N, K) float32, rows contiguous");
+    ptrs.push_back(w.data_ptr<float>());
+    strides.push_back(w.stride(0));
+    starts.push_back(starts.back() + w.size(0));
+  }
+  const int64_t N = starts.back();
+  auto y = torch::empty({B, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t sx = x.stride(0);
+  // Threads split the weight rows. Within a thread, a tile of weight rows small enough to stay in
+  // L2 meets every group of 8 input rows before the next tile is read: more than 8 rows read the
+  // weights from memory once, and each output is computed exactly as with 8 or fewer.
+  const int64_t tile = std::max<int64_t>(8, (128 * 1024) / (4 * K));
+  at::parallel_for(0, N, 128, [&](int64_t a, int64_t b) {
+    for (int64_t t0 = a; t0 < b; t0 += tile) {
+      const int64_t t1 = std::min(b, t0 + tile);
+      for (int64_t r0 = 0; r0 < B; r0 += 8) {
+        const int64_t nb = std::min<int64_t>(8, B - r0);
+        for (size_t i = 0; i + 1 < starts.size(); ++i) {
+          const int64_t lo = std::max(t0, starts[i]), hi = std::min(t1, starts[i + 1]);
+          if (lo < hi)
+            chunk(nb, xp + r0 * sx, sx, ptrs[i], strides[i], yp + r0 * N + starts[i], N, K,
+                  lo - starts[i], hi - starts[i]);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY(opencomposer_decode, m) { m.def("products(Tensor x, Tensor[] ws) -> Tensor"); }
+TORCH_LIBRARY_IMPL(opencomposer_decode, CPU, m) { m.impl("products", &products); }
+"""
+
+_lock = threading.Lock()
+_state: dict = {"op": None, "tried": False, "why": None, "enabled": None}
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def enabled() -> bool:
+    """Whether products may use the kernel (on unless OPENCOMPOSER_DECODE_PRODUCTS=off or set_enabled(False))."""
+    if _state["enabled"] is None:
+        _state["enabled"] = os.environ.get("OPENCOMPOSER_DECODE_PRODUCTS", "on").lower() not in ("off", "0", "false")
+    return _state["enabled"]
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the kernel on or off in this process (for comparisons); returns the setting before."""
+    before = enabled()
+    _state["enabled"] = bool(on)
+    return before
+
+
+def load():
+    """The compiled op, building it on first call; None (with the reason in `unavailable()`) where it cannot."""
+    if _state["tried"]:
+        return _state["op"]
+    with _lock:
+        if not _state["tried"]:
+            _state["op"] = _build()
+            _state["tried"] = True
+    return _state["op"]
+
+
+def unavailable() -> str | None:
+    """Why the kernel is not available in this process (None: it is, or it was not asked for yet)."""
+    return _state["why"]
+
+
+def _build():
+    if not _cpu_has_avx2():
+        _state["why"] = f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        try:  # the `ninja` wheel's binary: torch runs `ninja` from PATH, where a venv's bin may not be
+            import ninja
+
+            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
+        load_inline(name="opencomposer_decode_products", cpp_sources=[_SOURCE], is_python_module=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        return torch.ops.opencomposer_decode.products
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN keeps every product
+        _state["why"] = f"could not build the decode-products kernel ({type(e).__name__}: {str(e)[:300]})"
+        log.warning("%s; products stay on oneDNN", _state["why"])
+        return None
+
+
+def products(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor | None:
+    """`x @ cat(ws).T` for x (..., K) with at most 8 rows, or None where the kernel does not apply
+    (module docstring). No autograd: the caller runs it only where no gradient flows."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not (1 <= rows <= MAX_ROWS) or not enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] != k
+           or w.stride(1) != 1 or w.is_mkldnn for w in ws):
+        return None
+    op = load()
+    if op is None:
+        return None
+    x2 = x.reshape(rows, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = op(x2, [w.detach() for w in ws])
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,60 @@
+"""The decode-products kernel (`kernels/decode_products.py`): x @ cat(ws).T for 1-8 rows, equal to
+a float64 reference within float32 rounding, the same bits for a row whatever the batch, and None
+wherever it does not apply (so the caller's oneDNN path runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opencomposer.kernels import decode_products as dp  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if dp.load() is None:
+        pytest.skip(dp.unavailable() or "kernel unavailable")
+    return dp
+
+
+def _ref(x, ws):
+    return (x.double().reshape(-1, x.shape[-1]) @ torch.cat(ws).double().T).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_products_equal_the_reference_over_several_weights(kernel, rows):
+    torch.manual_seed(rows)
+    k = 579  # not a multiple of 8: the tail is summed too
+    ws = [torch.randn(n, k) for n in (37, 5, 130)]  # row counts that are not multiples of the unroll
+    x = torch.randn(rows, k)
+    y = kernel.products(x, ws)
+    assert y.shape == (rows, 172)
+    assert (y.double() - _ref(x, ws)).abs().max() < 2e-4
+    # a view with strided rows and a leading batch dimension
+    big = torch.randn(rows, 2 * k)
+    xs = big[:, :k].unsqueeze(0)
+    assert (kernel.products(xs, ws).double() - _ref(xs, ws)).abs().max() < 2e-4
+
+
+def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(kernel):
+    torch.manual_seed(0)
+    ws = [torch.randn(200, 576)]
+    x = torch.randn(8, 576)
+    full = kernel.products(x, ws)
+    for b in range(1, 8):
+        assert torch.equal(kernel.products(x[:b], ws), full[:b])
+    assert torch.equal(kernel.products(x[5:6], ws)[0], full[5])
+
+
+def test_it_declines_what_it_does_not_do(kernel):
+    w = torch.randn(16, 32)
+    assert kernel.products(torch.randn(9, 32), [w]) is None  # more than 8 rows: oneDNN's batch
+    assert kernel.products(torch.randn(2, 32, dtype=torch.float64), [w.double()]) is None
+    assert kernel.products(torch.randn(2, 32), [w.t().contiguous().t()]) is None  # columns not contiguous
+    before = kernel.set_enabled(False)
+    try:
+        assert kernel.products(torch.randn(2, 32), [w]) is None
+    finally:
+        kernel.set_enabled(before)
+    assert kernel.products(torch.randn(2, 32), [w]) is not None
