@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 def pytest_sessionstart(session):
     """Build the engine's decode-products kernel before any test's clock starts: its first build takes
-    about a minute on a busy 2-core machine (later processes load the cached build in about a second),
+    about a minute on a busy 2-core machine (later processes load the cached build in ~0.2 s),
     and would otherwise land inside whichever test first starts an engine."""
     try:
         from opencomposer.kernels import decode_products

@@ -58,3 +58,18 @@ def test_it_declines_what_it_does_not_do(kernel):
     finally:
         kernel.set_enabled(before)
     assert kernel.products(torch.randn(2, 32), [w]) is not None
+
+
+def test_where_it_cannot_be_built_products_stay_with_the_caller(monkeypatch):
+    """No AVX2 (or no compiler): load() says why, products() declines, and the caller's oneDNN runs."""
+    monkeypatch.setattr(dp, "_state", {"op": None, "tried": False, "why": None, "enabled": None})
+    monkeypatch.setattr(dp, "_cpu_has_avx2", lambda: False)
+    assert dp.load() is None and "AVX2" in dp.unavailable()
+    assert dp.products(torch.randn(2, 32), [torch.randn(16, 32)]) is None
+    from opencomposer.model import linear as lin
+    from opencomposer.model.llama import PRESETS, LlamaModel
+
+    model = LlamaModel(PRESETS["tiny"]).eval()
+    assert lin.prepare_inference(model, decode=True)["decode"] == 0
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 512, (1, 3)))).all()
