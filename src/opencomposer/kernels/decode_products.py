@@ -183,6 +183,7 @@ def unavailable() -> str | None:
 def _build():
     if not _cpu_has_avx2():
         _state["why"] = f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        log.warning("decode-products kernel not used: %s; products stay on oneDNN", _state["why"])
         return None
     try:
         from torch.utils.cpp_extension import load_inline
