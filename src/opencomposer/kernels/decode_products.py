@@ -18,7 +18,9 @@ Where it does not apply it says so with None, and the caller uses oneDNN: more t
 float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is logged once), or
 `OPENCOMPOSER_DECODE_PRODUCTS=off`. The build lands in torch's extension folder
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a lock, so processes that start
-together (an RL run's replica and workers) build it once.
+together (a test session and the servers it starts) build it once. The C++ op also takes more than
+8 rows (groups of 8 against one L2-sized tile of weight rows), but `products` never sends it more:
+that path is unused and untested in the suite (a scratch check only).
 """
 
 from __future__ import annotations
