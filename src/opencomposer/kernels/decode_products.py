@@ -18,15 +18,20 @@ Where it does not apply it says so with None, and the caller uses oneDNN: more t
 float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is logged once), or
 `OPENCOMPOSER_DECODE_PRODUCTS=off`. The build lands in torch's extension folder
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a lock, so processes that start
-together (a test session and the servers it starts) build it once. The C++ op also takes more than
+together (a test session and the servers it starts) build it once; in a folder of its own per Python
+environment, since torch rebuilds an extension whose flags changed and the flags name the
+environment's include paths (two checkouts' venvs sharing one folder rebuilt it, ~1 min, each time
+the other had run). The C++ op also takes more than
 8 rows (groups of 8 against one L2-sized tile of weight rows), but `products` never sends it more:
 that path is unused and untested in the suite (a scratch check only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -198,7 +203,8 @@ def _build():
         except ImportError:
             pass
 
-        load_inline(name="opencomposer_decode_products", cpp_sources=[_SOURCE], is_python_module=False,
+        env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
+        load_inline(name=f"opencomposer_decode_products_{env}", cpp_sources=[_SOURCE], is_python_module=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return torch.ops.opencomposer_decode.products
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN keeps every product
