@@ -44,6 +44,19 @@ def test_a_step_at_lr_0_changes_no_weight(lr):
     assert (changed == []) if lr == 0 else len(changed) == len(before)
 
 
+def test_the_step_reports_the_advantage_mass_its_tokens_carry():
+    """Advantages summed over trained tokens, the rewarded and the blamed apart: one pass of 6
+    tokens at +0.75 against three failures of 7, 8 and 9 tokens at -0.25 each."""
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    group = samples(200)
+    for s, r in zip(group, (1.0, 0.0, 0.0, 0.0)):
+        s.reward = r
+    stats = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.0), TrainerConfig(lr=1e-3)).step([group])
+    assert stats["advantage_mass"] == pytest.approx([0.75 * 6, -0.25 * (7 + 8 + 9)])
+
+
 def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
     """A group where nothing passed but the behaviour terms differ: "train" moves the weights on
     those terms, "skip" leaves every weight as it was and counts the group; a group with a pass
@@ -128,6 +141,9 @@ def test_a_passing_rollouts_failed_calls_get_no_credit_and_a_failing_rollouts_ke
         trainer.opt.step = lambda m=m, c=credit: got.update({c: {n: p.grad.clone() for n, p in m.named_parameters()}})
         stats = trainer.step([group])
         assert stats.get("scaled_tokens", 0) == (sum(group[i].trained_tokens - 3 for i in (0, 3)) if credit == 0 else 0)
+        rewarded = 0.5 * (2 * 3 if credit == 0 else group[0].trained_tokens + group[3].trained_tokens)
+        assert stats["advantage_mass"] == pytest.approx([rewarded, -0.5 * (group[1].trained_tokens +
+                                                                            group[2].trained_tokens)])
     assert any(not torch.allclose(got[0.0][n], got[1.0][n]) for n in got[0.0])  # the setting changes the step
 
     ref = model()

@@ -563,6 +563,7 @@ class Run:
                "unsolved_groups_skipped": st["unsolved_groups_skipped"],
                "zero_advantage_rollouts": st["zero_advantage_rollouts"], "trained_tokens": st["trained_tokens"],
                "scaled_tokens": st.get("scaled_tokens", 0),
+               "advantage_mass": [round(x, 3) for x in st["advantage_mass"]],
                "tokens_per_rollout": sum(s.trained_tokens for s in samples) / len(samples),
                "turns_per_rollout": sum(s.turns for s in samples) / len(samples),
                "tool_calls": calls, "broken_calls": sum(s.breakdown.get("broken_calls", 0) for s in samples),

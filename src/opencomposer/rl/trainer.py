@@ -79,7 +79,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         cfg = self.objective
         stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0,
-                 "zero_advantage_rollouts": 0, "trained_tokens": 0,
+                 "zero_advantage_rollouts": 0, "trained_tokens": 0, "advantage_mass": [0.0, 0.0],
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
@@ -114,6 +114,11 @@ class RLTrainer:
                     else:
                         advantage = torch.tensor(a)
                     loss, st = token_loss(logp, sampled(seq), advantage, cfg, logp_ref=ref)
+                    # the advantages summed over trained tokens, rewarded and blamed apart: under the
+                    # token sum (Dr. GRPO) a group's longer failures blame more tokens than its passes
+                    # reward, and what the tokens share (call syntax, tool names) moves with the net
+                    mass = float(advantage.sum()) if advantage.dim() else a * st["tokens"]
+                    stats["advantage_mass"][0 if mass >= 0 else 1] += mass
                     loss.backward()
                     stats["loss"] += float(loss.detach())
                     stats["trained_tokens"] += st["tokens"]
