@@ -5,9 +5,9 @@
                                             # (a preset other than default: its own section)
 
 Without --run it runs `opencomposer speedrun --preset PRESET --fresh` first (the default preset
-takes about an hour here). A stage's time is its last `stage_end` in events.jsonl; a resumed run's
+took 80-98 minutes here, docs/benchmarks.md). A stage's time is its last `stage_end` in events.jsonl; a resumed run's
 stages are each counted once, in the invocation that finished them. There is no peer to compare
-against here: the numbers say where the hour goes.
+against here: the numbers say where the time goes.
 """
 
 from __future__ import annotations
