@@ -160,6 +160,8 @@ def test_decode_sized_products_run_on_the_decode_kernel_and_see_weight_updates(o
             plain_small, plain_large = model(small), model(large)
             n = lin.prepare_inference(model, pack=8, decode=True)
             assert n["decode"] == 7 * cfg.num_hidden_layers + 1
+            assert n["packed"] == 0  # packed for 8 rows, the copy would serve only prefill: skipped
+            assert lin.prepare_inference(model, pack=32, decode=True)["packed"] == 7 * cfg.num_hidden_layers + 1
             calls.clear()
             _close(model(small), plain_small)
             assert len(calls) == 4 * cfg.num_hidden_layers + 1 and all(rows == 6 for rows, _ in calls)

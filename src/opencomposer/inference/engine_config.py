@@ -32,7 +32,9 @@ class EngineConfig:
     """q/k/v and gate/up as one product each on CPU (`model/linear.py`)."""
     pack_weights: bool = True
     """The products' weights kept in oneDNN's packed layout on CPU (`model/linear.py`): faster
-    decode, at the cost of a copy of the model's product weights (about 540 MB for SmolLM2-135M)."""
+    decode, at the cost of a copy of the model's product weights (about 540 MB for SmolLM2-135M).
+    With the decode kernel on and at most 8 slots nothing is packed: the kernel takes every decode
+    product, and prefill runs as fast unpacked (`linear.prepare_inference`)."""
     decode_kernel: bool = True
     """Products of at most 8 rows (decode steps) on the AVX2 kernel of `kernels/decode_products.py`,
     which reads the weights faster than oneDNN at those sizes on this project's CPU; built on first

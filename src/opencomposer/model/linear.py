@@ -200,13 +200,18 @@ def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None =
     names weights to fuse (a `FUSE` tuple of sub-module names) gets its `FusedProducts`; with
     `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights; with
     `decode`, their products of at most 8 rows run on the decode kernel, built here (not in the
-    first decode step) where it is not built yet. Calling it again replaces the previous set-up
+    first decode step) where it is not built yet, and packing for at most 8 rows is skipped. Calling it again replaces the previous set-up
     (fuse=False, pack=None, decode=False: the plain model). Returns how many modules got each
     ("decode": 0 where the kernel is unavailable, for the reason `decode_products.unavailable()` gives)."""
     if decode:
         from opencomposer.kernels import decode_products
 
         decode = decode_products.load() is not None
+        if decode and pack is not None and pack <= decode_products.MAX_ROWS:
+            # Packed for at most 8 rows, the copy would serve only what the kernel does not take:
+            # prefill, which ran as fast or faster unpacked (512 / 1,600 tokens, SmolLM2: 1.08 / 3.94 s
+            # packed against 1.09 / 3.53 s, scratch, 3 rounds): skip the ~540 MB copy.
+            pack = None
     n = {"fused": 0, "packed": 0, "decode": 0}
     for m in model.modules():
         names = getattr(type(m), "FUSE", None)
