@@ -21,9 +21,9 @@ float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is 
 together (a test session and the servers it starts) build it once; in a folder of its own per Python
 environment, since torch rebuilds an extension whose flags changed and the flags name the
 environment's include paths (two checkouts' venvs sharing one folder rebuilt it, ~1 min, each time
-the other had run). The C++ op also takes more than
-8 rows (groups of 8 against one L2-sized tile of weight rows), but `products` never sends it more:
-that path is unused and untested in the suite (a scratch check only).
+the other had run). The C++ op also takes more than 8 rows (groups of 8 against one L2-sized tile of
+weight rows), but `products` never sends it more: that path is unused and untested in the suite (a
+scratch check only).
 """
 
 from __future__ import annotations
