@@ -201,8 +201,9 @@ def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None =
     `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights; with
     `decode`, their products of at most 8 rows run on the decode kernel, built here (not in the
     first decode step) where it is not built yet, and packing for at most 8 rows is skipped. Calling
-    it again replaces the previous set-up (fuse=False, pack=None, decode=False: the plain model). Returns how many modules got each
-    ("decode": 0 where the kernel is unavailable, for the reason `decode_products.unavailable()` gives)."""
+    it again replaces the previous set-up (fuse=False, pack=None, decode=False: the plain model).
+    Returns how many modules got each ("decode": 0 where the kernel is unavailable, for the reason
+    `decode_products.unavailable()` gives)."""
     if decode:
         from opencomposer.kernels import decode_products
 
