@@ -79,6 +79,23 @@ def test_group_advantages_have_no_std_normalisation():
     assert rewards_with_kl([1.0, 0.0], [2.0, 0.0], cfg) == [0.8, 0.0]
 
 
+def test_a_token_weighted_baseline_balances_a_groups_token_mass():
+    """One pass of 250 tokens and three failures of 500: against the plain mean the failures blame
+    375 token-advantages and the pass rewards 187.5; against the token-weighted mean both are 1/7 of
+    the tokens' count, and the signs stay those of pass and failure."""
+    rewards, tokens = [1.0, 0.0, 0.0, 0.0], [250, 500, 500, 500]
+    plain, _ = group_advantages(rewards, 4)
+    assert sum(a * n for a, n in zip(plain, tokens)) == pytest.approx(-187.5)
+    adv, zero = group_advantages(rewards, 4, tokens=tokens)
+    assert not zero and adv[0] > 0 and all(a < 0 for a in adv[1:])
+    assert adv == pytest.approx([1 - 250 / 1750] + [-250 / 1750] * 3)
+    assert sum(a * n for a, n in zip(adv, tokens)) == pytest.approx(0.0, abs=1e-9)
+    assert group_advantages([0.3] * 4, 4, tokens=tokens)[1]  # equal rewards: still no signal
+    assert group_advantages(rewards, 4, tokens=[0] * 4)[0] == plain  # nothing trained: the plain mean
+    with pytest.raises(ValueError, match="token counts"):
+        group_advantages(rewards, 4, tokens=[1, 2])
+
+
 def test_negative_advantages_weigh_down_or_drop_what_fell_below_the_mean():
     """PSR at 0, a partial weight between, Dr. GRPO at 1; an all-equal group stays signal-free."""
     assert group_advantages([1.0, 0.0, 0.0, 0.0], 4, negative=0.0) == ([0.75, 0.0, 0.0, 0.0], False)

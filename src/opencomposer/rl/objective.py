@@ -2,6 +2,12 @@
 
 - G rollouts per prompt, G fixed; advantage A_i = R_i - mean_j R_j, no division by the standard
   deviation (it upweights tiny behavioural differences in groups that are all right or all wrong).
+  `baseline = "token_mean"` takes the mean weighted by each rollout's trained tokens instead,
+  b = sum_j R_j L_j / sum_j L_j, so that the advantages summed over a group's tokens are zero: a
+  token every rollout emits at the same rate gets no net push. Why it exists: under the token sum
+  below, a group whose failures are longer than its passes blames such tokens (call syntax, tool
+  names) more than it rewards them; at f9c8ead's default run the mixed groups blamed 40% more than
+  they rewarded and the policy came out calling tools by invented names (docs/rl.md).
 - The token loss is summed over every trained token of every rollout and divided by a constant
   (`normalizer`), never by a sequence's own length (Dr. GRPO: per-sequence 1/|y| is a length bias).
 - k1 = log pi(x) - log pi_ref(x) per sampled token (the report: KL(q||p) = E_q[-log r], r = p/q).
@@ -48,6 +54,10 @@ class ObjectiveConfig:
     whose rewards are all equal, so that those terms only rank attempts within groups the policy
     can solve. Why it exists: in the renames runs of docs/rl.md, groups that passed nothing were most of
     the groups, and training on their behaviour terms alone moved the policy away from SFT."""
+    baseline: Literal["group_mean", "token_mean"] = "group_mean"
+    """What a rollout's reward is measured against: the group's mean reward (Dr. GRPO, the default),
+    or its mean weighted by trained tokens, under which a group's advantages sum to zero over its
+    tokens (module docstring)."""
     negative_advantages: float = 1.0
     """The factor on advantages below the group mean: 1 keeps Dr. GRPO's (the default), 0 trains only
     on rollouts that beat their group's mean (PSR), between them weighs failures down."""
@@ -74,14 +84,23 @@ def _check_negative(factor: float) -> None:
         raise ValueError(f"negative_advantages is {factor}; it must be in [0, 1]")
 
 
-def group_advantages(rewards: list[float], group_size: int,
-                     negative: float = 1.0) -> tuple[list[float], bool]:
-    """(A_i = R_i - mean R, whether the group carries no signal). The size must be the fixed G.
-    `negative` multiplies the advantages below the mean (`ObjectiveConfig.negative_advantages`)."""
+def group_advantages(rewards: list[float], group_size: int, negative: float = 1.0,
+                     tokens: list[int] | None = None) -> tuple[list[float], bool]:
+    """(A_i = R_i - b, whether the group carries no signal). The size must be the fixed G.
+    b is the mean reward, or, given each rollout's trained `tokens`, the mean weighted by them
+    (`ObjectiveConfig.baseline = "token_mean"`). `negative` multiplies the advantages below the
+    baseline (`ObjectiveConfig.negative_advantages`)."""
     if len(rewards) != group_size:
         raise ValueError(f"a group has {len(rewards)} rollouts; the group size is fixed at {group_size}")
     _check_negative(negative)
-    mean = sum(rewards) / len(rewards)
+    if tokens is not None and len(tokens) != len(rewards):
+        raise ValueError(f"{len(tokens)} token counts for a group of {len(rewards)}")
+    if tokens is not None and sum(tokens) > 0:
+        if min(tokens) < 0:
+            raise ValueError(f"a token count is negative: {tokens}")
+        mean = sum(r * n for r, n in zip(rewards, tokens)) / sum(tokens)
+    else:
+        mean = sum(rewards) / len(rewards)
     adv = [r - mean for r in rewards]
     zero = all(abs(a) < 1e-12 for a in adv)
     return [a * negative if a < 0 else a for a in adv], zero

@@ -42,6 +42,10 @@ class RLStageConfig:
     unsolved_groups: Literal["train", "skip"] = "train"
     """A group where no rollout passed: trained on the effort and behaviour terms ("train"), or
     not trained at all ("skip"; `ObjectiveConfig.unsolved_groups`)."""
+    baseline: Literal["group_mean", "token_mean"] = "group_mean"
+    """A rollout's reward against its group's mean (Dr. GRPO) or against the mean weighted by
+    trained tokens, under which a group's advantages sum to zero over its tokens
+    (`ObjectiveConfig.baseline`)."""
     negative_advantages: float = 1.0
     """The factor on advantages below the group mean (`ObjectiveConfig.negative_advantages`): 1 is
     Dr. GRPO, 0 trains only on the rollouts that beat their group."""
@@ -87,6 +91,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
+                                              baseline=cfg.baseline,
                                               negative_advantages=cfg.negative_advantages,
                                               failed_call_credit=cfg.failed_call_credit),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,

@@ -91,7 +91,9 @@ class RLTrainer:
                        for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
             stats["kl"] += sum(kl_sums)
             adv, zero = group_advantages(rewards_with_kl([s.reward for s in group], kl_sums, cfg), cfg.group_size,
-                                         cfg.negative_advantages)
+                                         cfg.negative_advantages,
+                                         tokens=[s.trained_tokens for s in group]
+                                         if cfg.baseline == "token_mean" else None)
             if zero:
                 stats["zero_advantage_groups"] += 1
                 continue
