@@ -44,31 +44,29 @@ def test_a_step_at_lr_0_changes_no_weight(lr):
     assert (changed == []) if lr == 0 else len(changed) == len(before)
 
 
-def test_the_step_reports_the_advantage_mass_its_tokens_carry():
-    """Advantages summed over trained tokens, the rewarded and the blamed apart: one pass of 6
-    tokens at +0.75 against three failures of 7, 8 and 9 tokens at -0.25 each."""
+def one_pass_step(**objective) -> dict:
+    """One step on a group where only the first rollout (6 tokens) passed, against failures of 7, 8
+    and 9 tokens."""
     torch.manual_seed(0)
     model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
     group = samples(200)
     for s, r in zip(group, (1.0, 0.0, 0.0, 0.0)):
         s.reward = r
-    stats = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.0), TrainerConfig(lr=1e-3)).step([group])
-    assert stats["advantage_mass"] == pytest.approx([0.75 * 6, -0.25 * (7 + 8 + 9)])
+    cfg = ObjectiveConfig(group_size=4, kl_coef=0.0, **objective)
+    return RLTrainer(model, cfg, TrainerConfig(lr=1e-3)).step([group])
+
+
+def test_the_step_reports_the_advantage_mass_its_tokens_carry():
+    """Advantages summed over trained tokens, the rewarded and the blamed apart: the pass at +0.75
+    against the failures at -0.25 each."""
+    assert one_pass_step()["advantage_mass"] == pytest.approx([0.75 * 6, -0.25 * (7 + 8 + 9)])
 
 
 def test_a_token_mean_baseline_makes_the_rewarded_and_blamed_mass_equal():
-    """The same group as above under `baseline = "token_mean"`: b = 6 / 30, so the pass carries
-    0.8 * 6 and the failures -0.2 * 24, equal and opposite."""
-    torch.manual_seed(0)
-    model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    group = samples(200)
-    for s, r in zip(group, (1.0, 0.0, 0.0, 0.0)):
-        s.reward = r
-    cfg = ObjectiveConfig(group_size=4, kl_coef=0.0, baseline="token_mean")
-    stats = RLTrainer(model, cfg, TrainerConfig(lr=1e-3)).step([group])
-    assert stats["advantage_mass"] == pytest.approx([0.8 * 6, -0.2 * 24])
+    """The same group under `baseline = "token_mean"`: b = 6 / 30, so the pass carries 0.8 * 6 and
+    the failures -0.2 * 24, equal and opposite."""
+    assert one_pass_step(baseline="token_mean")["advantage_mass"] == pytest.approx([0.8 * 6, -0.2 * 24])
 
 
 def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
