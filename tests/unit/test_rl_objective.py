@@ -94,6 +94,10 @@ def test_a_token_weighted_baseline_balances_a_groups_token_mass():
     assert group_advantages(rewards, 4, tokens=[0] * 4)[0] == plain  # nothing trained: the plain mean
     with pytest.raises(ValueError, match="token counts"):
         group_advantages(rewards, 4, tokens=[1, 2])
+    with pytest.raises(ValueError, match="negative"):
+        group_advantages(rewards, 4, tokens=[-5, 1, 1, 1])
+    with pytest.raises(ValueError, match="baseline"):
+        ObjectiveConfig(baseline="median")
 
 
 def test_negative_advantages_weigh_down_or_drop_what_fell_below_the_mean():

@@ -78,6 +78,8 @@ class ObjectiveConfig:
 
     def __post_init__(self):
         _check_negative(self.negative_advantages)
+        if self.baseline not in ("group_mean", "token_mean"):
+            raise ValueError(f"baseline is {self.baseline!r}; it must be 'group_mean' or 'token_mean'")
         if not 0.0 <= self.failed_call_credit <= 1.0:
             raise ValueError(f"failed_call_credit is {self.failed_call_credit}; it must be in [0, 1]")
 
@@ -98,9 +100,9 @@ def group_advantages(rewards: list[float], group_size: int, negative: float = 1.
     _check_negative(negative)
     if tokens is not None and len(tokens) != len(rewards):
         raise ValueError(f"{len(tokens)} token counts for a group of {len(rewards)}")
+    if tokens is not None and min(tokens) < 0:
+        raise ValueError(f"a token count is negative: {tokens}")
     if tokens is not None and sum(tokens) > 0:
-        if min(tokens) < 0:
-            raise ValueError(f"a token count is negative: {tokens}")
         mean = sum(r * n for r, n in zip(rewards, tokens)) / sum(tokens)
     else:
         mean = sum(rewards) / len(rewards)
