@@ -81,8 +81,8 @@ def test_group_advantages_have_no_std_normalisation():
 
 def test_a_token_weighted_baseline_balances_a_groups_token_mass():
     """One pass of 250 tokens and three failures of 500: against the plain mean the failures blame
-    375 token-advantages and the pass rewards 187.5; against the token-weighted mean both are 1/7 of
-    the tokens' count, and the signs stay those of pass and failure."""
+    375 token-advantages and the pass rewards 187.5; against the token-weighted mean (b = 1/7) both
+    sides are 1,500/7, and the signs stay those of pass and failure."""
     rewards, tokens = [1.0, 0.0, 0.0, 0.0], [250, 500, 500, 500]
     plain, _ = group_advantages(rewards, 4)
     assert sum(a * n for a, n in zip(plain, tokens)) == pytest.approx(-187.5)
