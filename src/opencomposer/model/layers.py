@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
         training forward's memory no longer grows with every intermediate of every layer (about
         1.5 MB per token on SmolLM2-135M without it) at the price of one more forward. The recompute
         must see what the first forward saw: a block has no side effects other than a cache's
-        `write`, which returns the same tensors again (`rl.forward.PrefixKV` makes sure of it)."""
+        `write`, which returns the same tensors again (`model.prefix_kv.PrefixKV` makes sure of it)."""
         if checkpoint and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint as recompute
 

@@ -20,6 +20,7 @@ from opencomposer.core.metrics import MetricsWriter
 from opencomposer.core.rundir import RunDir
 from opencomposer.model.loss import IGNORE
 from opencomposer.train.pretrain import export, load_base
+from opencomposer.train.shared_prefix import SharedPrefixBatch
 from opencomposer.train.trainer import OptimConfig, PhaseConfig, Trainer, TrainError
 
 
@@ -32,6 +33,10 @@ class SFTConfig:
     """Trajectory files, folders of them (every *.json that is a trajectory), or .jsonl files."""
     phases: tuple[PhaseConfig, ...] = (PhaseConfig(name="sft", steps=50, seq_len=1024, lr=2e-5, warmup=5),)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(batch_size=2))
+    share_prefix: bool = True
+    """A batch of more than one row computes the prompt its rows share once (the system prompt and
+    tool schemas: `train/shared_prefix.py`); the same loss and gradients as the padded batch. Off,
+    or with more than one process, batches are padded."""
     heldout_fraction: float = 0.1
     seed: int = 0
     out_dir: Path = Path("runs")
@@ -170,6 +175,8 @@ def run(cfg: SFTConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path(
             ex = train[permutation(order["epoch"])[order["i"]]]
             order["i"] += 1
             out.append(Example(ex.ids[: phase.seq_len], ex.labels[: phase.seq_len]))
+        if cfg.share_prefix and len(out) > 1 and trainer.world == 1 and not phase.mtp_weight:
+            return SharedPrefixBatch.of([(e.ids, e.labels) for e in out])
         return collate(out, pad)
 
     with MetricsWriter(run_dir.metrics) as metrics:

@@ -25,7 +25,8 @@ from opencomposer.core.errors import UserError
 from opencomposer.core.metrics import MetricsWriter
 from opencomposer.model import checkpoint as ckpt
 from opencomposer.model.loss import IGNORE, cross_entropy
-from opencomposer.train import distributed
+from opencomposer.train import distributed, shared_prefix
+from opencomposer.train.shared_prefix import SharedPrefixBatch
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ def mtp_distill_loss(model, ids: torch.Tensor, segments: torch.Tensor | None, la
     return main + weight * kl_mean, float(kl_mean.detach())
 
 
-Batch = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # ids, segments, labels (aligned to ids[:, 1:])
+# ids, segments, labels (aligned to ids[:, 1:]); or rows that begin with the same prompt, whose prefix
+# is computed once (SFT: `train/shared_prefix.py`)
+Batch = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | SharedPrefixBatch
 
 
 class Trainer:
@@ -190,7 +193,21 @@ class Trainer:
             t0 = time.perf_counter()
             total, tokens, kl = 0.0, 0, None
             for _ in range(cfg.grad_accum):
-                ids, seg, labels = batches(pi, phase)
+                batch = batches(pi, phase)
+                if isinstance(batch, SharedPrefixBatch):
+                    if self.world > 1 or phase.mtp_weight:
+                        raise TrainError("a shared-prefix batch trains in one process without MTP; "
+                                         "give this run padded batches")
+                    count = batch.labelled()
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                        loss_value = shared_prefix.backward(model, batch, 1.0 / cfg.grad_accum)
+                    if not math.isfinite(loss_value):
+                        raise TrainError(f"step {self.step}: loss is {loss_value} — the gradient is not applied "
+                                         "(the last checkpoint is intact)")
+                    total += loss_value / cfg.grad_accum
+                    tokens += count
+                    continue
+                ids, seg, labels = batch
                 count = int((labels != IGNORE).sum())  # labelled tokens of the global batch
                 if self.world > 1:  # this rank's rows; the loss scaled to the global mean's gradient
                     ids, labels = ids[self.rank::self.world], labels[self.rank::self.world]
