@@ -39,6 +39,7 @@ class SFTStageConfig:
     """The harness's system prompt with its tool schemas is ~1,900 tokens before the first reply;
     a step at this length is ~2.5 TFLOP for SmolLM2 (about 25 s on two cores)."""
     batch_size: int = 1
+    """Demonstrations a step; more than one computes the prompt they share once (`train/shared_prefix.py`)."""
     lr: float = 1e-5
     bf16: bool = False
     """Products and attention under CPU bf16 autocast (`OptimConfig.bf16`; weights, optimiser and
