@@ -177,3 +177,16 @@ class FakeRenderer:
         user = int(messages[0]["content"])
         ids = list(range(1, 21)) + [100 + user, 7, 8, 9]
         return SimpleNamespace(ids=ids, loss_mask=[0] * 21 + [1, 1, 1])
+
+
+def test_trainer_refuses_a_shared_prefix_batch_across_processes(tmp_path):
+    """Its backward runs once a row and once more for the prefix, which FSDP's hooks are not built for:
+    more than one process gets a clear error, not a silently wrong gradient."""
+    from opencomposer.train.trainer import TrainError
+
+    trainer = Trainer(dense(), OptimConfig(batch_size=3, ckpt_every=10**6, checkpoint_at_end=False),
+                      (PhaseConfig(name="sft", steps=1, seq_len=64, lr=1e-3, warmup=0),), tmp_path)
+    trainer.world = 2  # as distributed.setup() would report under torchrun
+    with pytest.raises(TrainError, match="one process"):
+        trainer.run(lambda pi, phase: SharedPrefixBatch.of(rows()), dict)
+    assert trainer.step == 0
