@@ -89,7 +89,8 @@ def main() -> None:
              f"(rows of {min(lengths)}-{max(lengths)} tokens, median {statistics.median(lengths):.0f}; a shared prefix "
              f"of {prefix:.0f} tokens, the system prompt and the four tools' schemas), AdamW, {args.rounds} "
              f"alternating rounds x {args.steps} timed steps, medians; {torch.get_num_threads()} torch threads. "
-             "Both compute the same loss and gradients (`tests/unit/test_sft_shared_prefix.py`)."), "",
+             "The padded and the shared-prefix batch compute the same loss and gradients "
+                                       "(`tests/unit/test_sft_shared_prefix.py`)."), "",
              "| batch | seconds a demonstration | positions computed a demonstration |", "|---|---|---|"]
     positions = {"one row a step": statistics.median(lengths),
                  f"padded, {args.batch} rows": statistics.median(max(len(e.ids) for e in r) for r in rows),

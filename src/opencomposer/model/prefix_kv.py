@@ -8,6 +8,8 @@ separate full forwards and backwards; the prefix is computed once instead of onc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from opencomposer.model.cache import LowerRightCausal
@@ -78,3 +80,19 @@ class PrefixKV:
                 self._replaying = False
         self._recorded = [None] * len(self._recorded)
         self._leaves = None
+
+
+def shared_length(rows: Sequence[Sequence[int]], first_trained: Sequence[int]) -> int:
+    """How many leading ids all `rows` share that no trained token is predicted from: a token at
+    position j is predicted from position j - 1, so the prefix ends before the earliest
+    `first_trained[i] - 1`. 0 for fewer than two rows (nothing to share)."""
+    if len(rows) < 2:
+        return 0
+    first = rows[0]
+    n = min(len(r) for r in rows)
+    for r in rows[1:]:
+        i = 0
+        while i < n and r[i] == first[i]:
+            i += 1
+        n = i
+    return max(0, min(n, min(first_trained) - 1))

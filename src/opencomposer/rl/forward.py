@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from opencomposer.model.loss import token_logprobs
-from opencomposer.model.prefix_kv import PrefixKV
+from opencomposer.model.prefix_kv import PrefixKV, shared_length
 from opencomposer.rl.sequences import RLSequence
 
 
@@ -59,22 +59,13 @@ def sequence_logprobs(model: torch.nn.Module, seq: RLSequence, *, temperature: f
 def shared_prefix(seqs: list[RLSequence]) -> int:
     """How many leading ids every sequence shares and no trained token is predicted from: the
     group's prompt up to its last token (0 when they share nothing or route differently there)."""
-    if len(seqs) < 2:
-        return 0
-    first = seqs[0].ids
-    n = min(len(s.ids) for s in seqs)
-    for s in seqs[1:]:
-        i = 0
-        while i < n and s.ids[i] == first[i]:
-            i += 1
-        n = i
-    trained = min((next((i for i, m in enumerate(s.loss_mask) if m), len(s.ids)) for s in seqs), default=0)
-    n = min(n, trained - 1)
+    n = shared_length([s.ids for s in seqs],
+                      [next((i for i, m in enumerate(s.loss_mask) if m), len(s.ids)) for s in seqs])
     if n > 0 and seqs[0].experts is not None:
         head = seqs[0].experts[:n]
         if any(s.experts is None or s.experts[:n] != head for s in seqs[1:]):
             return 0  # sampled by different versions: the prompt's replayed experts differ
-    return max(n, 0)
+    return n
 
 
 class SharedPromptForward:
