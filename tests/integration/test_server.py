@@ -478,6 +478,86 @@ def test_serve_ends_within_its_shutdown_deadline(llama_server, tmp_path, hang):
             proc.wait(30)
 
 
+SIGTERM_ON_A_THREAD = """
+import json, signal, sys, threading, time
+from pathlib import Path
+ready = Path(json.loads(next(a for a in sys.argv if a.startswith("--ready_file="))[len("--ready_file="):]))
+def late_signal():  # once it serves, SIGTERM lands on this thread, not the main one
+    while not ready.exists():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+threading.Thread(target=late_signal, daemon=True).start()
+from opencomposer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_ends_on_a_sigterm_that_another_thread_receives(llama_server, tmp_path):
+    """The kernel may hand a process's SIGTERM to any of its threads. CPython runs the handler
+    in the main thread only, so a main thread blocked in an untimed wait never ran it: a replica
+    outlived its SIGKILLed driver (PR_SET_PDEATHSIG sent the SIGTERM) in a loaded test run."""
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_ON_A_THREAD, "serve", "--model", str(llama_server[1]),
+                             "--port", "0", f"--ready_file={json.dumps(str(ready))}", "--shutdown_timeout_s=20"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**__import__("os").environ,
+                                 "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    try:
+        rc = proc.wait(240)  # the model loads first; the stop itself takes a second or two
+        assert rc == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+LAUNCHER = """
+import os, subprocess, sys, time
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "OPENCOMPOSER_PARENT_PID": str(os.getpid())})
+print(child.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_serve_ends_when_the_process_that_started_it_dies(llama_server, tmp_path):
+    """`OPENCOMPOSER_PARENT_PID` (set by the RL driver for its replica): a server whose parent is
+    SIGKILLed stops on its own, with no signal sent to it (the launcher here sets no
+    PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready.json"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, sys.executable, "-m", "opencomposer.cli", "serve",
+                                 "--model", str(llama_server[1]), "--port", "0",
+                                 f"--ready_file={json.dumps(str(ready))}"],
+                                stdout=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    server = int(launcher.stdout.readline())
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{server}").exists() and Path(f"/proc/{server}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the server outlived the process that started it"
+            time.sleep(0.2)
+    finally:
+        if Path(f"/proc/{server}").exists():
+            os.kill(server, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def test_a_stopped_server_lets_go_of_its_engine(llama_server):
     """FastAPI caches every app's endpoint functions module-wide; they must not keep a stopped
     server's engine (model, KV cache, prefix cache) alive: the speedrun's driver grew by a served

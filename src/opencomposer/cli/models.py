@@ -78,8 +78,18 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
           file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # The process that started this server, when it asked to be followed (rl/services.py sets it):
+    # a replica ends when that process dies, even where its PR_SET_PDEATHSIG did not act.
+    parent = int(os.environ.get("OPENCOMPOSER_PARENT_PID", "0") or 0)
     try:
-        stop.wait()
+        # A timed wait, not stop.wait(): CPython runs a signal handler in the main thread only, and
+        # a SIGTERM the kernel hands to another thread (uvicorn's, the engine's) does not wake a
+        # main thread blocked in an untimed lock wait, so the handler would never run. Seen: a
+        # replica that outlived its SIGKILLed driver by 120 s with no sign of shutting down.
+        while not stop.wait(0.5):
+            if parent and os.getppid() != parent:
+                print("the process that started this server is gone; stopping", file=sys.stderr, flush=True)
+                break
     except KeyboardInterrupt:
         pass
     exit_after(cfg.shutdown_timeout_s, "the server's shutdown")

@@ -142,7 +142,8 @@ class ReplicaProcess(Replica):
         self._log = open(self.log_dir / "replica.log", "ab")  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                          "OPENCOMPOSER_ADMIN_TOKEN": self._admin_token},
+                                          "OPENCOMPOSER_ADMIN_TOKEN": self._admin_token,
+                                          "OPENCOMPOSER_PARENT_PID": str(os.getpid())},
                                      preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while not Path(ready).exists():
@@ -240,7 +241,9 @@ def _die_with_parent(parent: int) -> None:
     """In a child before exec (Linux): SIGTERM it when the process that started it (`parent`)
     dies, so a driver killed with SIGKILL leaves no replica serving behind it. A parent that died
     between the fork and the prctl sends no signal: that case is checked by hand. The replica
-    bounds its own shutdown (`ServeConfig.shutdown_timeout_s`), so the SIGTERM ends it."""
+    bounds its own shutdown (`ServeConfig.shutdown_timeout_s`), so the SIGTERM ends it. The
+    replica also watches its parent itself (`OPENCOMPOSER_PARENT_PID`, cli/models.py), since the
+    signal is tied to the thread that forked it and a handler may not run at once."""
     try:
         import ctypes
 
