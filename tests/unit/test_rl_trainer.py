@@ -44,6 +44,25 @@ def test_a_step_at_lr_0_changes_no_weight(lr):
     assert (changed == []) if lr == 0 else len(changed) == len(before)
 
 
+def test_frozen_parameters_keep_their_bits_and_the_rest_train():
+    """`TrainerConfig.frozen`: the tied embedding (and so the head) stays bit for bit, every other
+    weight moves, Adam holds state for the trained ones only; a name that matches nothing is refused."""
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    assert model.lm_head.weight is model.embed_tokens.weight
+    before = copy.deepcopy(model.state_dict())
+    trainer = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.0),
+                        TrainerConfig(lr=1e-3, frozen=("embed_tokens",), checkpoint_tokens=8))
+    for _ in range(2):
+        assert trainer.step([samples(200)])["updated"]
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == set(before) - {"embed_tokens.weight", "lm_head.weight"}
+    assert model.embed_tokens.weight.grad is None and len(trainer.opt.state) == len(changed)
+    with pytest.raises(ValueError, match="names no parameter"):
+        RLTrainer(model, ObjectiveConfig(group_size=4), TrainerConfig(frozen=("embedding",)))
+
+
 def one_pass_step(**objective) -> dict:
     """One step on a group where only the first rollout (6 tokens) passed, against failures of 7, 8
     and 9 tokens."""

@@ -28,6 +28,9 @@ class RLStageConfig:
     sync: bool = False
     """True: the synchronous baseline (staleness 0; deterministic with workers = 1)."""
     lr: float = 1e-6
+    frozen: tuple[str, ...] = ()
+    """Parameters RL does not train, by name prefix (`TrainerConfig.frozen`; `["embed_tokens"]` for
+    SmolLM2's tied embedding and head)."""
     kl_coef: float = 0.001
     normalizer: float = 4096.0
     effort: float = 0.1
@@ -88,7 +91,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
                     max_turns=agent.max_turns, rollout_timeout_s=agent.episode_timeout_s, tools=agent.tools,
-                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr),
+                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr, frozen=cfg.frozen),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
                                               baseline=cfg.baseline,

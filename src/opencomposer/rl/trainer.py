@@ -32,6 +32,12 @@ class TrainerConfig:
     share_prompt: bool = True
     """Compute a group's shared prompt once in the training forward (and the reference model's) and
     accumulate its gradient from all G rollouts: exact, and the prompt's cost paid once (`rl/forward.py`)."""
+    frozen: tuple[str, ...] = ()
+    """Parameters RL leaves as they are, by name or name prefix (`("embed_tokens",)`: SmolLM2's
+    embedding, which is also its tied output head). Their gradient is not computed and Adam holds
+    no state for them. Default: none (the report's Adam on all parameters). Why one might: Adam's
+    first steps move every weight whose gradient is not ~0 by about lr, and through the softmax
+    every row of a tied head has such a gradient, tokens never sampled included (docs/rl.md)."""
     checkpoint_tokens: int | None = 1024
     """Forwards of at least this many tokens recompute each block's activations in the backward
     instead of keeping them (activation checkpointing; None: never). Without it the step's memory
@@ -45,6 +51,25 @@ def sampled(seq) -> torch.Tensor:
     return torch.tensor([lp for lp, m in zip(seq.logprobs, seq.loss_mask) if m], dtype=torch.float32)
 
 
+def trained_parameters(model: torch.nn.Module, frozen: tuple[str, ...]) -> list[torch.nn.Parameter]:
+    """The parameters a step trains: all but those named (or prefixed) in `frozen`, which stop
+    requiring a gradient. A name that matches no parameter is an error, not a silent no-op."""
+    names = dict(model.named_parameters())  # a tied weight appears once, under its first name
+    def hit(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix.rstrip(".") + ".")
+    for prefix in frozen:
+        if not any(hit(n, prefix) for n in names):
+            raise ValueError(f"TrainerConfig.frozen: {prefix!r} names no parameter of the model "
+                             f"(its parameters begin {sorted({n.split('.')[0] for n in names})})")
+    out = []
+    for n, p in names.items():
+        if any(hit(n, prefix) for prefix in frozen):
+            p.requires_grad_(False)
+        else:
+            out.append(p)
+    return out
+
+
 class RLTrainer:
     def __init__(self, model: torch.nn.Module, objective: ObjectiveConfig, config: TrainerConfig):
         self.model = model
@@ -54,7 +79,7 @@ class RLTrainer:
         if self.ref is not None:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
-        self.opt = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
+        self.opt = torch.optim.Adam(trained_parameters(model, config.frozen), lr=config.lr, betas=config.betas)
 
     def _shared(self, model, group: list[Sample], grad: bool) -> SharedPromptForward | None:
         """The group's first sequences share the system prompt and the task: their forward once."""
