@@ -52,3 +52,17 @@ def write_section(path: Path, name: str, md: str) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and its widest vector extensions: the same code measures very
+    differently with and without AVX-512 (oneDNN ran about 2x MKL on an AVX-512 host and level
+    with it on an AVX2-only one), so the table says which it ran on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(ext) or 'no AVX2'})"

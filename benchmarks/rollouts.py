@@ -57,24 +57,10 @@ import time
 from pathlib import Path
 
 import torch
-from corpus import timed, write_section
+from corpus import cpu_summary, timed, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
-
-
-def cpu_summary() -> str:
-    """The CPU's model name and its widest vector extensions: the same code measures very
-    differently with and without AVX-512 (oneDNN ran about 2x MKL on an AVX-512 host and level
-    with it on an AVX2-only one), so the table says which it ran on."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(ext) or 'no AVX2'})"
 
 
 def machine_bound() -> tuple[float, float]:

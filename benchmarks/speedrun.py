@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from corpus import write_section
+from corpus import cpu_summary, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def main() -> int:
     cmd = f"opencomposer speedrun --preset {preset} --fresh"
     md = "\n".join([
         "## speedrun stages" + ("" if preset == "default" else f" (preset `{preset}`)"), "",
-        f"`benchmarks/speedrun.py --preset {cfg.get('preset')}` on this machine ({platform.processor() or 'cpu'}, "
+        f"`benchmarks/speedrun.py --preset {cfg.get('preset')}` on this machine ({cpu_summary()}, "
         f"Python {platform.python_version()}); run `{run.name}` (reproduce: `{cmd}`). One run: a whole speedrun "
         "is too long to repeat for a median, so these are single measurements on a noisy 2-core VM.", "",
         *rows, "", f"Total of the stages that ended: {total / 60:.1f} min.", *([args.note, ""] if args.note else [])])
