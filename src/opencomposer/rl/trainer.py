@@ -37,7 +37,10 @@ class TrainerConfig:
     embedding, which is also its tied output head). Their gradient is not computed and Adam holds
     no state for them. Default: none (the report's Adam on all parameters). Why one might: Adam's
     first steps move every weight whose gradient is not ~0 by about lr, and through the softmax
-    every row of a tied head has such a gradient, tokens never sampled included (docs/rl.md)."""
+    every row of a tied head has such a gradient, tokens never sampled included. Measured once on
+    the embedded default: freezing the embedding left RL's held-out result where all parameters
+    took it (5 of 36 from 11; docs/rl.md). A run resumed with a different list cannot load its
+    Adam state."""
     checkpoint_tokens: int | None = 1024
     """Forwards of at least this many tokens recompute each block's activations in the backward
     instead of keeping them (activation checkpointing; None: never). Without it the step's memory
