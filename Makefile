@@ -50,7 +50,7 @@ bench: setup
 	$(PY) benchmarks/model.py
 	$(PY) benchmarks/inference.py
 	$(PY) benchmarks/train.py
-	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/kernels_cpu.py
 	$(PY) benchmarks/tasks_import.py
 	$(PY) benchmarks/server.py
 	cd benchmarks && ../$(PY) tasks_import.py

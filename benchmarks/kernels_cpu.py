@@ -1,7 +1,7 @@
 """Low-precision formats and grouped GEMMs on CPU: reference throughput, for information only
 (the kernels issue's speed goal is for GPUs: `benchmarks/kernels_gpu.py` when one is lent).
 
-    .venv/bin/python benchmarks/kernels.py   # writes the "kernels" section of docs/benchmarks.md
+    .venv/bin/python benchmarks/kernels_cpu.py   # writes the "kernels" section of docs/benchmarks.md
 
 Quantiser throughput (input GB/s) for MXFP8, FP8 1x128 and per-token NVFP4, and the emulated grouped Fprop
 in each format against the float32 `grouped_mm` at a small MoE shape, with relative errors
@@ -40,8 +40,8 @@ def main() -> None:
         err = float((gg.fprop(xs, w, offs, fmt).double() - ref).norm() / ref.norm())
         rows[fmt] = (secs, err)
     flops = 2 * sum(counts) * 1024 * 512
-    lines = ["## Low-precision formats on CPU (`benchmarks/kernels.py`, for information)", "",
-             f"Reproduce: `{' '.join(['.venv/bin/python', 'benchmarks/kernels.py', *sys.argv[1:]])}`. Pure-torch reference "
+    lines = ["## Low-precision formats on CPU (`benchmarks/kernels_cpu.py`, for information)", "",
+             f"Reproduce: `{' '.join(['.venv/bin/python', 'benchmarks/kernels_cpu.py', *sys.argv[1:]])}`. Pure-torch reference "
              "path (quantise, dequantise, float32 grouped product); the speed goal is for GPUs.", "",
              "| quantiser | GB/s of float32 input |", "|---|---|"]
     lines += [f"| {k} | {gb / v:.2f} |" for k, v in q.items()]
