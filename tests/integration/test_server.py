@@ -497,17 +497,13 @@ def test_serve_ends_on_a_sigterm_that_another_thread_receives(llama_server, tmp_
     """The kernel may hand a process's SIGTERM to any of its threads. CPython runs the handler
     in the main thread only, so a main thread blocked in an untimed wait never ran it: a replica
     outlived its SIGKILLed driver (PR_SET_PDEATHSIG sent the SIGTERM) in a loaded test run."""
-    import subprocess
     import sys
 
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_ON_A_THREAD, "serve", "--model", str(llama_server[1]),
-                             "--port", "0", f"--ready_file={json.dumps(str(ready))}", "--shutdown_timeout_s=20"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**__import__("os").environ,
-                                 "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    proc = _serve_process([sys.executable, "-c", SIGTERM_ON_A_THREAD, "serve", "--model", str(llama_server[1]),
+                           "--port", "0", f"--ready_file={json.dumps(str(ready))}", "--shutdown_timeout_s=20"], ready)
     try:
-        rc = proc.wait(240)  # the model loads first; the stop itself takes a second or two
+        rc = proc.wait(120)  # the stop itself takes a second or two; the deadline is for a busy machine
         assert rc == 0, proc.stderr.read().decode()[-2000:]
     finally:
         if proc.poll() is None:
