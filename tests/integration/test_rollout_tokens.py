@@ -3,7 +3,7 @@ our server through the official client, turned into RL sequences from the record
 recomputed by the trainer's forward (training mode, router replay for MoE): the logprobs agree with
 the sampler's within 1e-4 in float32, for the dense and the MoE family.
 
-The models are tiny and real (random init), taught here in a few seconds of SFT to call a tool on
+The models are tiny and real (random init), taught here by SFT (tens of seconds) to call a tool on
 this repository, so that episodes have several turns; nothing about them is scripted at sampling
 time: the engine samples every token.
 """
@@ -67,16 +67,25 @@ def teach(model, tok, convs, tools, steps=100):
     seqs = [r.encode(c, tools) for c in convs]
     opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     torch.manual_seed(0)
-    for _ in range(steps):
-        for s in seqs:
-            ids = torch.tensor([s.ids])
-            mask = torch.tensor([s.loss_mask[1:]], dtype=torch.float32)
-            logits = model(ids[:, :-1])
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-            loss = -(lp * mask).sum() / mask.sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    threads = torch.get_num_threads()
+    # tiny products: with another busy process on a 2-core machine, an op split over two threads
+    # waits for the slower one, at every op. The MoE's 100 steps with 2 threads: 26 s alone, 92 s beside a 2-thread product loop,
+    # over 300 s (the test's limit) beside a speedrun's SFT; with 1 thread: 44 s alone, 54 s beside
+    # the loop (measured once each on an AVX-512 host).
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            for s in seqs:
+                ids = torch.tensor([s.ids])
+                mask = torch.tensor([s.loss_mask[1:]], dtype=torch.float32)
+                logits = model(ids[:, :-1])
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+                loss = -(lp * mask).sum() / mask.sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return model
 
 
