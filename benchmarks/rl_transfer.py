@@ -9,9 +9,11 @@ from, what the run's own data says, with no new rollout:
   not all episodes passed. How much held-out tasks agree among themselves: each task's gradient
   against the sum of the others' (the same comparison a train group gets against G_ho), and the
   tasks split in two halves A and B, cos(G_A, G_B).
-- g_k: the gradient of each trained RL group's objective (the run's advantages, its rewards), in
-  the run's order, at the same weights (first order: it ignores that the real run's weights moved
-  between groups).
+- g_k: the gradient of each trained RL group's objective (its rewards, the group-mean baseline and
+  the run's `negative_advantages`; a run's `token_mean` baseline, `failed_call_credit` and
+  importance weights are not replayed), in the run's order, at the same weights (first order: it
+  ignores that the real run's weights moved between groups). Cosines do not depend on the constant
+  normaliser (4096 here, the default).
 - For each optimiser, the update it would have made from g_1..g_K (Adam at the run's betas and
   several eps, signSGD, SGD), its cosine with G_ho (transfer, first order) and its predicted
   dJ_ho per unit of update norm.
