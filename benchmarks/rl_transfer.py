@@ -26,7 +26,7 @@ from, what the run's own data says, with no new rollout:
 
 Writes RUN_DIR/rl_transfer/{grads.npy (one row of 135M float32 per group for SmolLM2-135M: 540 MB
 each), summary.json}. CPU, float32. On a 2-core AVX-512 host, for the default speedrun: ~5 min for
-the held-out gradients (~8,300 trained tokens), ~50 s a train group, ~2.5 min a second-order check.
+the held-out gradients (~8,300 trained tokens), ~50 s a train group, ~1.5 min a second-order check.
 """
 
 from __future__ import annotations
