@@ -96,10 +96,19 @@ def test_the_policy_calls_that_failed_a_tool_call_are_found_and_their_tokens_loc
     traj["tool_calls"][0]["name"] = "grep"  # a search that found nothing is not a failed edit
     assert completions_with_failed_calls(traj) == {(0, 1), (1, 0)}
 
+    from opencomposer.rl.rewards import completion_calls  # `call_advantage`'s verdicts: tool called first, ok
+    # a grep that found nothing ran as written; the final message (0, 2) called nothing
+    assert completion_calls(traj) == {(0, 0): ("grep", True), (0, 1): ("search_replace", False),
+                                      (1, 0): ("search_replace", False)}
+
     seqs, _ = build_sequences(traj)
     assert seqs[0].completions == [0, 1, 2] and seqs[0].completion_tokens == [2, 3, 1]
     seqs[0].failed_calls = [1]
     assert seqs[0].token_factors(0.0) == [1, 1, 0, 0, 0, 1]
     assert seqs[0].token_factors(1.0) is None  # nothing scaled
+    seqs[0].calls = ["grep", "search_replace", ""]
+    assert seqs[0].call_verdicts() == [(0, "grep", True), (1, "search_replace", False)]
+    assert seqs[0].token_call_advantages({1: -0.5}) == [0, 0, -0.5, -0.5, -0.5, 0]
+    assert seqs[0].token_call_advantages({0: 0.0}) is None  # nothing applies
     seqs[0].completion_tokens = []  # a record written before the field existed: left as it is
-    assert seqs[0].token_factors(0.0) is None
+    assert seqs[0].token_factors(0.0) is None and seqs[0].token_call_advantages({1: -0.5}) is None

@@ -188,3 +188,54 @@ def test_a_passing_rollouts_failed_calls_get_no_credit_and_a_failing_rollouts_ke
     torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[0.0][n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_call_advantages_compare_calls_of_one_tool_and_train_groups_without_an_outcome_signal():
+    """`call_advantage`: each tool-calling policy call gets c (ok - m_tool) on its own tokens, m_tool
+    the share of ok calls of that tool in the group. It trains a group that passed nothing (skipped
+    otherwise), its gradient equals the one computed by hand, and a group whose calls of each tool
+    all agree trains nothing."""
+    from opencomposer.rl.forward import sequence_logprobs
+    from opencomposer.rl.objective import call_advantages, token_loss
+    from opencomposer.rl.trainer import sampled
+
+    got = call_advantages([("a", "grep", True), ("b", "search_replace", False), ("c", "search_replace", True),
+                           ("d", "search_replace", True), ("e", "grep", True)], 0.5)
+    assert got == pytest.approx({"a": 0.0, "b": -0.5 * 2 / 3, "c": 0.5 / 3, "d": 0.5 / 3, "e": 0.0})
+
+    def model():
+        torch.manual_seed(0)
+        return LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    group = samples(200)
+    for s in group:  # nothing passed: under "skip" only the call term can train this group
+        s.reward, s.passed = 0.0, False
+        q = s.sequences[0]  # two policy calls each: a grep (3 tokens), then an edit (the rest)
+        q.completions, q.completion_tokens, q.calls = [0, 1], [3, q.trained_tokens - 3], ["grep", "search_replace"]
+    group[1].sequences[0].failed_calls = [1]  # one of four edits failed: m = 3/4
+    cfg = ObjectiveConfig(group_size=4, kl_coef=0.0, unsolved_groups="skip", call_advantage=1.0)
+    m = model()
+    trainer = RLTrainer(m, cfg, TrainerConfig(lr=1e-3, share_prompt=False))
+    grads = {}
+    trainer.opt.step = lambda: grads.update({n: p.grad.clone() for n, p in m.named_parameters()})
+    stats = trainer.step([group])
+    assert stats["unsolved_groups_skipped"] == 1 and stats["call_only_groups"] == 1 and stats["updated"]
+    edits = [group[i].trained_tokens - 3 for i in range(4)]
+    assert stats["call_mass"] == pytest.approx([0.25 * (edits[0] + edits[2] + edits[3]), -0.75 * edits[1]])
+
+    ref = model()
+    for i, s in enumerate(group):
+        q = s.sequences[0]
+        adv = torch.zeros(q.trained_tokens)
+        adv[3:] = -0.75 if i == 1 else 0.25
+        loss, _ = token_loss(sequence_logprobs(ref, q), sampled(q), adv, cfg)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+    group[1].sequences[0].failed_calls = []  # every edit applied: no verdict tells the calls apart
+    trainer = RLTrainer(model(), cfg, TrainerConfig(lr=1e-3, share_prompt=False))
+    stats = trainer.step([group])
+    assert not stats["updated"] and stats.get("call_only_groups", 0) == 0

@@ -30,7 +30,9 @@
   edits within two steps (rollouts of 214 tokens grew to 1,130); our guess was the negative half
   pushing down the tokens with which failed attempts stopped. At 0 and the same lr the policy
   collapsed the other way (no edits at all from step 16), so it is not a fix for a step too large.
-Groups whose rewards are all equal carry no gradient: `group_advantages` counts them.
+- `call_advantage` adds a per-call term from the environment's verdict on each tool call, compared
+  among the group's calls of the same tool (`call_advantages`; off by default).
+Groups whose rewards are all equal carry no outcome gradient: `group_advantages` counts them.
 """
 
 from __future__ import annotations
@@ -76,8 +78,24 @@ class ObjectiveConfig:
     wherever its group has a failure. At 0 the two-group run did not collapse, and still ended
     below its start (docs/rl.md)."""
 
+    call_advantage: float = 0.0
+    """The weight c of a per-call advantage from the environment's verdict on each tool call:
+    every policy call that called a tool gets c (ok - m) on its own tokens, on top of its rollout's
+    advantage, where ok is 1 unless it broke a call or failed an edit (`rl/rewards.py`) and m is the
+    share of ok calls among the group's calls of the same tool (`call_advantages`). It applies in
+    every group, also in one whose outcomes are all equal or that passed nothing (there it is the
+    only term). 0 (the default) is Dr. GRPO as the report has it. Why it exists: the outcome reward
+    gives every token of a rollout one advantage, and in the renames family's groups what tells a
+    pass from a failure is task by task (docs/rl.md: the trained groups' gradients were nearly
+    orthogonal to the held-out tasks'), while whether an edit's `old_string` is in the file is the
+    same skill in every task and is known per call; the report's reward already penalises poor tool
+    calls (§3.2), this gives that penalty its own credit assignment. Comparing a call with calls
+    of its own tool keeps an edit from being blamed against reads, which never fail."""
+
     def __post_init__(self):
         _check_negative(self.negative_advantages)
+        if self.call_advantage < 0.0:
+            raise ValueError(f"call_advantage is {self.call_advantage}; it must be >= 0")
         if self.baseline not in ("group_mean", "token_mean"):
             raise ValueError(f"baseline is {self.baseline!r}; it must be 'group_mean' or 'token_mean'")
         if not 0.0 <= self.failed_call_credit <= 1.0:
@@ -109,6 +127,17 @@ def group_advantages(rewards: list[float], group_size: int, negative: float = 1.
     adv = [r - mean for r in rewards]
     zero = all(abs(a) < 1e-12 for a in adv)
     return [a * negative if a < 0 else a for a in adv], zero
+
+
+def call_advantages(verdicts: list[tuple[object, str, bool]], coef: float) -> dict[object, float]:
+    """`ObjectiveConfig.call_advantage`: per (key, tool, ok) verdict of one group's policy calls,
+    key -> coef (ok - m_tool), m_tool the share of ok among the group's calls of that tool; calls of
+    a tool whose verdicts all agree get 0."""
+    share: dict[str, list[int]] = {}
+    for _, tool, ok in verdicts:
+        share.setdefault(tool, []).append(int(ok))
+    mean = {t: sum(v) / len(v) for t, v in share.items()}
+    return {key: coef * (int(ok) - mean[tool]) for key, tool, ok in verdicts}
 
 
 def k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,23 @@ def completions_with_failed_calls(traj) -> set[tuple[int, int]]:
     return out
 
 
+def completion_calls(traj) -> dict[tuple[int, int], tuple[str, bool]]:
+    """(segment, completion index) -> (the tool it called first, whether all its calls ran as
+    written and every edit among them applied) for every policy call that issued a tool call,
+    matched to the executed calls by id within the segment as `completions_with_failed_calls` is.
+    `ObjectiveConfig.call_advantage` compares these verdicts between calls of the same tool."""
+    records = {(_get(t, "segment", 0), _get(t, "id")): t for t in _get(traj, "tool_calls", []) or []}
+    out = {}
+    for si, seg in enumerate(_get(traj, "segments", []) or []):
+        for ci, comp in enumerate(_get(seg, "completions", []) or []):
+            calls = [records.get((si, _get(tc, "id"))) for tc in _get(comp, "tool_calls", []) or []]
+            calls = [c for c in calls if c is not None]
+            if calls:
+                out[(si, ci)] = (str(_get(calls[0], "name", "")),
+                                 not any(_broken(c) or _failed_edit(c) for c in calls))
+    return out
+
+
 def unfinished_todos(traj) -> int:
     return sum(1 for t in _get(traj, "todos", []) or [] if t.get("status") in ("pending", "in_progress"))
 

@@ -46,6 +46,26 @@ class RLSequence:
     failed_calls: list[int] = field(default_factory=list)
     """Those of `completions` that issued a broken call or a failed edit (`rl/rewards.py`)."""
 
+    calls: list[str] = field(default_factory=list)
+    """Per completion in `completions`: the tool it called first ("" for one that called none, such
+    as the final message); empty in records written before it existed. With `failed_calls` it is
+    the per-call verdict `ObjectiveConfig.call_advantage` credits."""
+
+    def call_verdicts(self) -> list[tuple[int, str, bool]]:
+        """(completion, tool, ran and applied) for each completion of this sequence that called a tool."""
+        if len(self.calls) != len(self.completions):
+            return []
+        return [(ci, name, ci not in self.failed_calls) for ci, name in zip(self.completions, self.calls) if name]
+
+    def token_call_advantages(self, advantages: dict[int, float]) -> list[float] | None:
+        """Per trained token: the advantage of the completion it belongs to (`advantages`, by
+        completion index; 0 where absent); None when none applies here or the record does not
+        say which tokens are whose."""
+        if not any(advantages.get(ci, 0.0) for ci in self.completions) \
+                or sum(self.completion_tokens) != self.trained_tokens:
+            return None
+        return [advantages.get(ci, 0.0) for ci, n in zip(self.completions, self.completion_tokens) for _ in range(n)]
+
     def token_factors(self, failed: float) -> list[float] | None:
         """Per trained token: `failed` on the tokens of a completion in `failed_calls`, 1 elsewhere;
         None when nothing is scaled (or the record does not say which tokens are whose)."""

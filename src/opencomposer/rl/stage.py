@@ -55,6 +55,9 @@ class RLStageConfig:
     failed_call_credit: float = 1.0
     """The factor on a positive advantage for the tokens of a policy call that broke a call or
     failed an edit (`ObjectiveConfig.failed_call_credit`): 1 is Dr. GRPO's credit, 0 none."""
+    call_advantage: float = 0.0
+    """A per-call advantage from the environment's verdict on each tool call, compared among the
+    group's calls of the same tool (`ObjectiveConfig.call_advantage`); 0 is off."""
     lend_threads: bool = True
     """The replica takes the trainer's threads while the trainer waits (`RLConfig.lend_threads`)."""
     skip_settled: bool = False
@@ -96,7 +99,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
                                               baseline=cfg.baseline,
                                               negative_advantages=cfg.negative_advantages,
-                                              failed_call_credit=cfg.failed_call_credit),
+                                              failed_call_credit=cfg.failed_call_credit,
+                                              call_advantage=cfg.call_advantage),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services,
                     lend_threads=cfg.lend_threads,

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from opencomposer.rl.forward import SharedPromptForward, sequence_logprobs, shared_prefix
-from opencomposer.rl.objective import ObjectiveConfig, group_advantages, rewards_with_kl, token_loss
+from opencomposer.rl.objective import (ObjectiveConfig, call_advantages, group_advantages, rewards_with_kl,
+                                      token_loss)
 from opencomposer.rl.rollout import Sample
 
 
@@ -103,6 +104,21 @@ class RLTrainer:
                 if shared is not None:
                     shared.close()
 
+    def _call_terms(self, group: list[Sample]) -> dict[int, dict[tuple[int, int], float]]:
+        """`ObjectiveConfig.call_advantage`: rollout -> {(segment, completion): its call's advantage},
+        only where nonzero (empty when the term is off or every call of each tool got the same
+        verdict)."""
+        coef = self.objective.call_advantage
+        if not coef:
+            return {}
+        verdicts = [((si, seq.segment, ci), tool, ok) for si, s in enumerate(group)
+                    for seq in s.sequences for ci, tool, ok in seq.call_verdicts()]
+        out: dict[int, dict[int, float]] = {}
+        for (si, segment, ci), a in call_advantages(verdicts, coef).items():
+            if a:
+                out.setdefault(si, {})[(segment, ci)] = a
+        return out
+
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
         cfg = self.objective
@@ -111,9 +127,12 @@ class RLTrainer:
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
-            if cfg.unsolved_groups == "skip" and not any(s.passed for s in group):
+            calls = self._call_terms(group)
+            unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
+            if unsolved:
                 stats["unsolved_groups_skipped"] += 1
-                continue
+                if not calls:
+                    continue
             refs = self._group_refs(group) if self.ref is not None else None
             kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
                        for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
@@ -122,14 +141,22 @@ class RLTrainer:
                                          cfg.negative_advantages,
                                          tokens=[s.trained_tokens for s in group]
                                          if cfg.baseline == "token_mean" else None)
-            if zero:
-                stats["zero_advantage_groups"] += 1
-                continue
+            if unsolved or zero:
+                # no outcome signal: only the per-call term (`call_advantage`) trains, where it applies
+                if zero and not unsolved:
+                    stats["zero_advantage_groups"] += 1
+                if not calls:
+                    continue
+                adv = [0.0] * len(group)
+                stats["call_only_groups"] = stats.get("call_only_groups", 0) + 1
             # A rollout at advantage 0 (every one below the mean under `negative_advantages = 0`)
             # has a gradient of exactly 0 under every correction: its forward and backward are skipped,
-            # unless the KL sits in the loss, where it still has one.
-            live = [i for i, a in enumerate(adv) if a != 0.0 or (refs is not None and cfg.kl_place == "loss")]
+            # unless the KL sits in the loss, where it still has one, or a call of it has a term of its own.
+            live = [i for i, a in enumerate(adv)
+                    if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls]
             stats["zero_advantage_rollouts"] += len(group) - len(live)
+            if not live:
+                continue
             shared = self._shared(self.model, [group[i] for i in live], grad=True)
             for si in live:
                 s, a = group[si], adv[si]
@@ -143,6 +170,14 @@ class RLTrainer:
                         stats["scaled_tokens"] = stats.get("scaled_tokens", 0) + sum(f != 1.0 for f in factors)
                     else:
                         advantage = torch.tensor(a)
+                    per_call = seq.token_call_advantages(
+                        {ci: c for (g, ci), c in calls.get(si, {}).items() if g == seq.segment})
+                    if per_call is not None:  # each tool call's own verdict, on its own tokens
+                        per_call = torch.tensor(per_call)
+                        advantage = advantage.expand_as(per_call) + per_call
+                        mass = stats.setdefault("call_mass", [0.0, 0.0])
+                        mass[0] += float(per_call.clamp(min=0).sum())
+                        mass[1] += float(per_call.clamp(max=0).sum())
                     loss, st = token_loss(logp, sampled(seq), advantage, cfg, logp_ref=ref)
                     # the advantages summed over trained tokens, rewarded and blamed apart: under the
                     # token sum (Dr. GRPO) a group's longer failures blame more tokens than its passes
