@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from opencomposer.rl.forward import SharedPromptForward, sequence_logprobs, shared_prefix
-from opencomposer.rl.objective import (ObjectiveConfig, call_advantages, group_advantages, rewards_with_kl,
-                                      token_loss)
+from opencomposer.rl.objective import ObjectiveConfig, call_advantages, group_advantages, rewards_with_kl, token_loss
 from opencomposer.rl.rollout import Sample
 
 
