@@ -22,7 +22,14 @@ from, what the run's own data says, with no new rollout:
   J_ho and the held-out sampled tokens' log-probabilities computed again (forward only), so a
   direction's cost to what the SFT model does on held-out tasks shows beside its first-order gain.
 
-    .venv/bin/python benchmarks/rl_transfer.py RUN_DIR [--groups N] [--norm 0.1]
+- With `--call-advantage C` (or a run trained with `call_advantage`): each group's per-call term
+  (`ObjectiveConfig.call_advantage`, every tool call's verdict against the group's calls of the same
+  tool) replayed apart, its gradient's cosine with G_ho beside the outcome term's, over every group
+  with a nonzero call term (also those that passed nothing), and the summed call, outcome and
+  combined directions against G_ho. The optimiser replay and second-order checks stay on the
+  outcome term.
+
+    .venv/bin/python benchmarks/rl_transfer.py RUN_DIR [--groups N] [--norm 0.1] [--call-advantage 0.5]
 
 Writes RUN_DIR/rl_transfer/{grads.npy (one row of 135M float32 per group for SmolLM2-135M: 540 MB
 each), summary.json}. CPU, float32. On a 2-core AVX-512 host, for the default speedrun: ~5 min for
@@ -47,6 +54,7 @@ from opencomposer.rl.forward import sequence_logprobs
 from opencomposer.rl.objective import group_advantages
 from opencomposer.rl.rollout import Sample
 from opencomposer.rl.sequences import build_sequences
+from opencomposer.rl.trainer import call_terms
 
 NORMALIZER = 4096.0
 CHECKPOINT = 1024
@@ -65,18 +73,19 @@ def held_out_groups(run: Path) -> list[list[tuple[float, list]]]:
     return [eps for _, eps in sorted(by_task.items()) if len({p for p, _ in eps}) > 1]
 
 
-def train_groups(run: Path, limit: int | None) -> list[tuple[list[float], list[Sample]]]:
-    """The run's groups that trained (mixed outcomes, nonzero advantages), in group order."""
+def train_groups(run: Path, limit: int | None, call_coef: float = 0.0) -> list[tuple[list[float], list[Sample]]]:
+    """The run's groups with an outcome gradient (mixed outcomes, nonzero advantages), and with
+    `call_coef` also those with a nonzero call term (their outcome advantages 0), in group order."""
     cfg = json.loads((run / "rl" / "config.json").read_text())
     obj = cfg["objective"]
     out = []
     for f in sorted((run / "rl" / "groups").glob("g*.json"), key=lambda p: int(p.stem[1:])):
         samples = [Sample.from_dict(d) for d in json.loads(f.read_text())["samples"]]
-        if obj.get("unsolved_groups") == "skip" and not any(s.passed for s in samples):
-            continue
         adv, zero = group_advantages([s.reward for s in samples], len(samples), obj.get("negative_advantages", 1.0))
-        if zero:
-            continue
+        if zero or (obj.get("unsolved_groups") == "skip" and not any(s.passed for s in samples)):
+            if not call_terms(samples, call_coef):
+                continue
+            adv = [0.0] * len(samples)
         out.append((adv, samples))
         if limit and len(out) >= limit:
             break
@@ -87,18 +96,28 @@ def flat_grad(params) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
-def objective_grad(model, params, items: list[tuple[float, list]]) -> tuple[torch.Tensor, int]:
-    """d/dθ of sum_i A_i sum_t log p / NORMALIZER over (A_i, sequences)."""
+def objective_grad(model, params, items: list[tuple[float, list]], per_call=None) -> tuple[torch.Tensor, int]:
+    """d/dθ of sum_i A_i sum_t log p / NORMALIZER over (A_i, sequences); with `per_call` (the
+    trainer's `call_terms` of the group, and A_i all 0 for the call term alone) each trained token
+    also gets its call's advantage."""
     model.zero_grad(set_to_none=True)
     tokens = 0
-    for a, seqs in items:
-        if a == 0.0:
+    for i, (a, seqs) in enumerate(items):
+        calls = (per_call or {}).get(i, {})
+        if a == 0.0 and not calls:
             continue
         for seq in seqs:
             if not seq.trained_tokens:
                 continue
+            adv = torch.tensor(a)
+            if calls:
+                c = seq.token_call_advantages({ci: x for (g, ci), x in calls.items() if g == seq.segment})
+                if c is not None:
+                    adv = adv + torch.tensor(c)
+            if not bool(adv.any()):
+                continue
             logp = sequence_logprobs(model, seq, checkpoint=CHECKPOINT)
-            (a * logp.sum() / NORMALIZER).backward()  # the ascent direction of +A log p
+            ((adv * logp).sum() / NORMALIZER).backward()  # the ascent direction of +A log p
             tokens += seq.trained_tokens
     g = flat_grad(params)
     model.zero_grad(set_to_none=True)
@@ -139,6 +158,8 @@ def main() -> None:
     ap.add_argument("--norm", type=float, default=0.0,
                     help="the update norm for the second-order check (0: the norm of Adam's, lr as in the run)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--call-advantage", type=float, default=None,
+                    help="replay the per-call term at this weight (default: the run's `call_advantage`)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,20 +193,45 @@ def main() -> None:
           f"{' '.join(f'{c:+.3f}' for c in ho_loo)}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     del per_task
 
-    groups = train_groups(run, args.groups or None)
-    grads = np.lib.format.open_memmap(work / "grads.npy", mode="w+", dtype=np.float32, shape=(len(groups), n))
+    call_coef = args.call_advantage if args.call_advantage is not None else \
+        float(rl_cfg["objective"].get("call_advantage", 0.0))
+    groups = train_groups(run, args.groups or None, call_coef)
+    outcome = [(adv, samples) for adv, samples in groups if any(adv)]
+    grads = np.lib.format.open_memmap(work / "grads.npy", mode="w+", dtype=np.float32, shape=(len(outcome), n))
     rows = []
-    for k, (adv, samples) in enumerate(groups):
-        g, tok = objective_grad(model, params, [(a, s.sequences) for a, s in zip(adv, samples)])
-        norm = float(g.norm())
-        if norm > clip:  # the trainer clips the step's gradient norm
-            g = g * (clip / norm)
-        grads[k] = g.numpy()
-        rows.append({"group": samples[0].group, "task": samples[0].task, "tokens": tok,
-                     "passed": sum(s.passed for s in samples), "grad_norm": norm, "cos_ho": cos(g, g_ho)})
-        print(f"group {samples[0].group}: {tok} tokens, {rows[-1]['passed']} of {len(samples)} passed, "
-              f"|g| {norm:.3e}, cos(g, G_ho) {rows[-1]['cos_ho']:+.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    call_rows = []
+    sums = {"outcome": torch.zeros(n), "call": torch.zeros(n)}
+    for adv, samples in groups:
+        items = [(a, s.sequences) for a, s in zip(adv, samples)]
+        row = {"group": samples[0].group, "task": samples[0].task, "passed": sum(s.passed for s in samples)}
+        if any(adv):
+            g, tok = objective_grad(model, params, items)
+            norm = float(g.norm())
+            if norm > clip:  # the trainer clips the step's gradient norm
+                g = g * (clip / norm)
+            grads[len(rows)] = g.numpy()
+            sums["outcome"] += g
+            rows.append({**row, "tokens": tok, "grad_norm": norm, "cos_ho": cos(g, g_ho)})
+            print(f"group {row['group']}: {tok} tokens, {row['passed']} of {len(samples)} passed, "
+                  f"|g| {norm:.3e}, cos(g, G_ho) {rows[-1]['cos_ho']:+.4f}  ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+        per_call = call_terms(samples, call_coef)
+        if per_call:
+            gc, tok = objective_grad(model, params, [(0.0, q) for _, q in items], per_call)
+            sums["call"] += gc
+            calls = [v for c in per_call.values() for v in c.values()]
+            call_rows.append({**row, "tokens": tok, "calls": len(calls), "blamed": sum(v < 0 for v in calls),
+                              "grad_norm": float(gc.norm()), "cos_ho": cos(gc, g_ho)})
+            print(f"group {row['group']} call term: {len(calls)} calls with a term ({call_rows[-1]['blamed']} "
+                  f"blamed), |g| {float(gc.norm()):.3e}, cos(g_call, G_ho) {call_rows[-1]['cos_ho']:+.4f}  "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
     grads.flush()
+    summed = {k: cos(v, g_ho) for k, v in sums.items() if bool(v.any())}
+    if call_rows:
+        summed["combined"] = cos(sums["outcome"] + sums["call"], g_ho)
+        print("summed over groups, cos with G_ho: " + ", ".join(f"{k} {v:+.4f}" for k, v in summed.items()), flush=True)
+    del sums
+    groups = outcome
 
     # optimisers replayed over g_1..g_K, one step per group (the run's groups_per_step = 1)
     K = len(groups)
@@ -235,6 +281,7 @@ def main() -> None:
     torch.nn.utils.vector_to_parameters(flat, params)
     summary = {"run": str(run), "parameters": n, "lr": lr, "betas": betas, "held_out_tasks": len(ho),
                "held_out_tokens": ho_tokens, "cos_GA_GB": cos(g_a, g_b), "held_out_leave_one_out_cos": ho_loo, "groups": rows,
+               "call_advantage": call_coef, "call_groups": call_rows, "summed_cos_ho": summed,
                "leave_one_out_cos": loo, "first_order": first, "second_order": second, "J0": j0,
                "seconds": time.perf_counter() - t0, "random_cos_scale": 1 / math.sqrt(n)}
     (work / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

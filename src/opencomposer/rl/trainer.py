@@ -50,6 +50,20 @@ class TrainerConfig:
     measured once each; docs/rl.md)."""
 
 
+def call_terms(group: list[Sample], coef: float) -> dict[int, dict[tuple[int, int], float]]:
+    """`ObjectiveConfig.call_advantage`: rollout -> {(segment, completion): its call's advantage},
+    only where nonzero (empty when the term is off or every call of each tool got the same verdict)."""
+    if not coef:
+        return {}
+    verdicts = [((si, seq.segment, ci), tool, ok) for si, s in enumerate(group)
+                for seq in s.sequences for ci, tool, ok in seq.call_verdicts()]
+    out: dict[int, dict[tuple[int, int], float]] = {}
+    for (si, segment, ci), a in call_advantages(verdicts, coef).items():
+        if a:
+            out.setdefault(si, {})[(segment, ci)] = a
+    return out
+
+
 def sampled(seq) -> torch.Tensor:
     return torch.tensor([lp for lp, m in zip(seq.logprobs, seq.loss_mask) if m], dtype=torch.float32)
 
@@ -103,21 +117,6 @@ class RLTrainer:
                 if shared is not None:
                     shared.close()
 
-    def _call_terms(self, group: list[Sample]) -> dict[int, dict[tuple[int, int], float]]:
-        """`ObjectiveConfig.call_advantage`: rollout -> {(segment, completion): its call's advantage},
-        only where nonzero (empty when the term is off or every call of each tool got the same
-        verdict)."""
-        coef = self.objective.call_advantage
-        if not coef:
-            return {}
-        verdicts = [((si, seq.segment, ci), tool, ok) for si, s in enumerate(group)
-                    for seq in s.sequences for ci, tool, ok in seq.call_verdicts()]
-        out: dict[int, dict[int, float]] = {}
-        for (si, segment, ci), a in call_advantages(verdicts, coef).items():
-            if a:
-                out.setdefault(si, {})[(segment, ci)] = a
-        return out
-
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
         cfg = self.objective
@@ -126,7 +125,7 @@ class RLTrainer:
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0}
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
-            calls = self._call_terms(group)
+            calls = call_terms(group, cfg.call_advantage)
             unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
             if unsolved:
                 stats["unsolved_groups_skipped"] += 1
