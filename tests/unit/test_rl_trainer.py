@@ -239,3 +239,42 @@ def test_call_advantages_compare_calls_of_one_tool_and_train_groups_without_an_o
     trainer = RLTrainer(model(), cfg, TrainerConfig(lr=1e-3, share_prompt=False))
     stats = trainer.step([group])
     assert not stats["updated"] and stats.get("call_only_groups", 0) == 0
+
+
+def test_failed_calls_left_out_of_the_outcome_either_way():
+    """`failed_call_credit = 0` and `failed_call_blame = 0`: the tokens of a policy call that broke a
+    call or failed an edit get no share of the rollout's advantage, positive or negative (the
+    gradient equals the one computed by hand with those tokens at 0); the rest keep it."""
+    from opencomposer.rl.forward import sequence_logprobs
+    from opencomposer.rl.objective import token_loss
+    from opencomposer.rl.trainer import sampled
+
+    def model():
+        torch.manual_seed(0)
+        return LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    group = samples(200)  # advantages 0.5, -0.5, -0.5, 0.5
+    for s in group:
+        q = s.sequences[0]
+        q.completions, q.completion_tokens, q.failed_calls = [0, 1], [3, q.trained_tokens - 3], [1]
+    cfg = ObjectiveConfig(group_size=4, kl_coef=0.0, failed_call_credit=0.0, failed_call_blame=0.0)
+    m = model()
+    trainer = RLTrainer(m, cfg, TrainerConfig(lr=1e-3, share_prompt=False))
+    grads = {}
+    trainer.opt.step = lambda: grads.update({n: p.grad.clone() for n, p in m.named_parameters()})
+    stats = trainer.step([group])
+    assert stats["scaled_tokens"] == sum(s.trained_tokens - 3 for s in group)
+    assert stats["advantage_mass"] == pytest.approx([0.5 * 6, -0.5 * 6])
+    ref = model()
+    for s, a in zip(group, (0.5, -0.5, -0.5, 0.5)):
+        q = s.sequences[0]
+        adv = torch.full((q.trained_tokens,), a)
+        adv[3:] = 0.0
+        loss, _ = token_loss(sequence_logprobs(ref, q), sampled(q), adv, cfg)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+    with pytest.raises(ValueError, match="failed_call_blame"):
+        ObjectiveConfig(failed_call_blame=1.5)

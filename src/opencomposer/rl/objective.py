@@ -78,6 +78,16 @@ class ObjectiveConfig:
     wherever its group has a failure. At 0 the two-group run did not collapse, and still ended
     below its start (docs/rl.md)."""
 
+    failed_call_blame: float = 1.0
+    """The factor on a negative advantage for the tokens of a policy call that issued a broken call
+    or a failed edit: the counterpart of `failed_call_credit` for rollouts below their group's mean.
+    1 keeps Dr. GRPO's credit (the default); 0 (with `failed_call_credit = 0`) leaves such calls out
+    of the outcome's credit either way. Why: a broken call or an edit that matched nothing leaves the
+    workspace as it was, so it did not cause the outcome; under the token sum its only share of it
+    is that failures repeat such calls more than passes do. Read back from a default run's mixed groups
+    (docs/rl.md): the outcome term's advantages summed over edit calls came to -11 (applied edits
+    +7.5, failed ones -18.5) against +4.1 on final answers, and the policy learned to edit less and
+    answer sooner. What a failed call does wrong is then left to `call_advantage`."""
     call_advantage: float = 0.0
     """The weight c of a per-call advantage from the environment's verdict on each tool call:
     every policy call that called a tool gets c (ok - m) on its own tokens, on top of its rollout's
@@ -98,6 +108,8 @@ class ObjectiveConfig:
             raise ValueError(f"call_advantage is {self.call_advantage}; it must be >= 0")
         if self.baseline not in ("group_mean", "token_mean"):
             raise ValueError(f"baseline is {self.baseline!r}; it must be 'group_mean' or 'token_mean'")
+        if not 0.0 <= self.failed_call_blame <= 1.0:
+            raise ValueError(f"failed_call_blame is {self.failed_call_blame}; it must be in [0, 1]")
         if not 0.0 <= self.failed_call_credit <= 1.0:
             raise ValueError(f"failed_call_credit is {self.failed_call_credit}; it must be in [0, 1]")
 

@@ -55,6 +55,9 @@ class RLStageConfig:
     failed_call_credit: float = 1.0
     """The factor on a positive advantage for the tokens of a policy call that broke a call or
     failed an edit (`ObjectiveConfig.failed_call_credit`): 1 is Dr. GRPO's credit, 0 none."""
+    failed_call_blame: float = 1.0
+    """The factor on a negative advantage for the tokens of a policy call that broke a call or
+    failed an edit (`ObjectiveConfig.failed_call_blame`): 1 is Dr. GRPO's credit, 0 none."""
     call_advantage: float = 0.0
     """A per-call advantage from the environment's verdict on each tool call, compared among the
     group's calls of the same tool (`ObjectiveConfig.call_advantage`); 0 is off."""
@@ -100,6 +103,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                               baseline=cfg.baseline,
                                               negative_advantages=cfg.negative_advantages,
                                               failed_call_credit=cfg.failed_call_credit,
+                                              failed_call_blame=cfg.failed_call_blame,
                                               call_advantage=cfg.call_advantage),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services,

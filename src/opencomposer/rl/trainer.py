@@ -162,8 +162,9 @@ class RLTrainer:
                     logp = (shared.logprobs(seq) if shared is not None and qi == 0
                             else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
                     ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
-                    factors = seq.token_factors(cfg.failed_call_credit) if a > 0 else None
-                    if factors is not None:  # a passing rollout's failed calls: less (or no) credit
+                    scale = cfg.failed_call_credit if a > 0 else cfg.failed_call_blame
+                    factors = seq.token_factors(scale) if a != 0 else None
+                    if factors is not None:  # failed calls: less (or no) share of the rollout's advantage
                         advantage = a * torch.tensor(factors)
                         stats["scaled_tokens"] = stats.get("scaled_tokens", 0) + sum(f != 1.0 for f in factors)
                     else:
