@@ -84,10 +84,12 @@ class ObjectiveConfig:
     1 keeps Dr. GRPO's credit (the default); 0 (with `failed_call_credit = 0`) leaves such calls out
     of the outcome's credit either way. Why: a broken call or an edit that matched nothing leaves the
     workspace as it was, so it did not cause the outcome; under the token sum its only share of it
-    is that failures repeat such calls more than passes do. Read back from a default run's mixed groups
-    (docs/rl.md): the outcome term's advantages summed over edit calls came to -11 (applied edits
-    +7.5, failed ones -18.5) against +4.1 on final answers, and the policy learned to edit less and
-    answer sooner. What a failed call does wrong is then left to `call_advantage`."""
+    is that failures repeat such calls more than passes do. Read back from the mixed groups of a
+    run with `call_advantage = 0.5` and this at 1 (docs/rl.md): the outcome term's advantages summed
+    over edit calls came to -11 (applied edits +7.5, failed ones -18.5) against +4.1 on final
+    answers, and the policy learned to edit less and answer sooner. What a failed call does wrong is
+    then left to `call_advantage`. At 0 (with the credit at 0 and the call term at 0.5) the next run
+    kept editing and failed fewer edits on held-out tasks, but broke more (docs/rl.md)."""
     call_advantage: float = 0.0
     """The weight c of a per-call advantage from the environment's verdict on each tool call:
     every policy call that called a tool gets c (ok - m) on its own tokens, on top of its rollout's
