@@ -9,9 +9,9 @@ from, what the run's own data says, with no new rollout:
   not all episodes passed. How much held-out tasks agree among themselves: each task's gradient
   against the sum of the others' (the same comparison a train group gets against G_ho), and the
   tasks split in two halves A and B, cos(G_A, G_B).
-- g_k: the gradient of each trained RL group's objective (its rewards, the group-mean baseline and
-  the run's `negative_advantages`; a run's `token_mean` baseline, `failed_call_credit` and
-  importance weights are not replayed), in the run's order, at the same weights (first order: it
+- g_k: the gradient of each trained RL group's objective (its rewards, the group-mean baseline, the
+  run's `negative_advantages`, `failed_call_credit` and `failed_call_blame`; a run's `token_mean`
+  baseline and importance weights are not replayed), in the run's order, at the same weights (first order: it
   ignores that the real run's weights moved between groups). Cosines do not depend on the constant
   normaliser (4096 here, the default).
 - For each optimiser, the update it would have made from g_1..g_K (Adam at the run's betas and
@@ -29,7 +29,7 @@ from, what the run's own data says, with no new rollout:
   combined directions against G_ho. The optimiser replay and second-order checks stay on the
   outcome term.
 
-    .venv/bin/python benchmarks/rl_transfer.py RUN_DIR [--groups N] [--norm 0.1] [--call-advantage 0.5]
+    .venv/bin/python benchmarks/rl_transfer.py RUN_DIR [--groups N] [--norm 0.1] [--call-advantage 0.5] [--no-second-order]
 
 Writes RUN_DIR/rl_transfer/{grads.npy (one row of 135M float32 per group for SmolLM2-135M: 540 MB
 each), summary.json}. CPU, float32. On a 2-core AVX-512 host, for the default speedrun: ~5 min for
@@ -96,10 +96,12 @@ def flat_grad(params) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
-def objective_grad(model, params, items: list[tuple[float, list]], per_call=None) -> tuple[torch.Tensor, int]:
+def objective_grad(model, params, items: list[tuple[float, list]], per_call=None,
+                   failed: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, int]:
     """d/dθ of sum_i A_i sum_t log p / NORMALIZER over (A_i, sequences); with `per_call` (the
     trainer's `call_terms` of the group, and A_i all 0 for the call term alone) each trained token
-    also gets its call's advantage."""
+    also gets its call's advantage. `failed` = (failed_call_credit, failed_call_blame): the factor on
+    a positive / negative A_i on the tokens of calls that broke or failed an edit, as the trainer has it."""
     model.zero_grad(set_to_none=True)
     tokens = 0
     for i, (a, seqs) in enumerate(items):
@@ -109,7 +111,8 @@ def objective_grad(model, params, items: list[tuple[float, list]], per_call=None
         for seq in seqs:
             if not seq.trained_tokens:
                 continue
-            adv = torch.tensor(a)
+            scaled = seq.token_factors(failed[0] if a > 0 else failed[1]) if a != 0.0 else None
+            adv = a * torch.tensor(scaled) if scaled is not None else torch.tensor(a)
             if calls:
                 c = seq.token_call_advantages({ci: x for (g, ci), x in calls.items() if g == seq.segment})
                 if c is not None:
@@ -158,6 +161,7 @@ def main() -> None:
     ap.add_argument("--norm", type=float, default=0.0,
                     help="the update norm for the second-order check (0: the norm of Adam's, lr as in the run)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--no-second-order", action="store_true", help="skip the second-order checks")
     ap.add_argument("--call-advantage", type=float, default=None,
                     help="replay the per-call term at this weight (default: the run's `call_advantage`)")
     args = ap.parse_args()
@@ -193,6 +197,8 @@ def main() -> None:
           f"{' '.join(f'{c:+.3f}' for c in ho_loo)}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     del per_task
 
+    failed = (float(rl_cfg["objective"].get("failed_call_credit", 1.0)),
+              float(rl_cfg["objective"].get("failed_call_blame", 1.0)))
     call_coef = args.call_advantage if args.call_advantage is not None else \
         float(rl_cfg["objective"].get("call_advantage", 0.0))
     groups = train_groups(run, args.groups or None, call_coef)
@@ -205,7 +211,7 @@ def main() -> None:
         items = [(a, s.sequences) for a, s in zip(adv, samples)]
         row = {"group": samples[0].group, "task": samples[0].task, "passed": sum(s.passed for s in samples)}
         if any(adv):
-            g, tok = objective_grad(model, params, items)
+            g, tok = objective_grad(model, params, items, failed=failed)
             norm = float(g.norm())
             if norm > clip:  # the trainer clips the step's gradient norm
                 g = g * (clip / norm)
@@ -266,7 +272,7 @@ def main() -> None:
     flat = torch.nn.utils.parameters_to_vector(params).detach().clone()
     second = {}
     for name, u in updates.items():
-        if name not in ("adam eps 1e-08", "adam eps 0.0001", "SGD (the sum)"):
+        if args.no_second_order or name not in ("adam eps 1e-08", "adam eps 0.0001", "SGD (the sum)"):
             continue
         step = u * (ref_norm / float(u.norm()))
         torch.nn.utils.vector_to_parameters(flat + step, params)
