@@ -102,7 +102,8 @@ class ObjectiveConfig:
     orthogonal to the held-out tasks'), while whether an edit's `old_string` is in the file is the
     same skill in every task and is known per call; the report's reward already penalises poor tool
     calls (§3.2), this gives that penalty its own credit assignment. Comparing a call with calls
-    of its own tool keeps an edit from being blamed against reads, which never fail."""
+    of its own tool keeps an edit from being blamed against reads and searches, which rarely
+    break and cannot fail as an edit does."""
 
     def __post_init__(self):
         _check_negative(self.negative_advantages)

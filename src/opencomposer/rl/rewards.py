@@ -118,23 +118,16 @@ def failed_edits(traj) -> int:
 
 def completions_with_failed_calls(traj) -> set[tuple[int, int]]:
     """(segment, completion index) of every policy call that issued a broken call or a failed edit
-    (what `broken_calls` and `failed_edits` count), matched by the tool call's id within its
-    segment. `ObjectiveConfig.failed_call_credit` uses them."""
-    failed = {(_get(t, "segment", 0), _get(t, "id")) for t in _get(traj, "tool_calls", []) or []
-              if _broken(t) or _failed_edit(t)}
-    out = set()
-    for si, seg in enumerate(_get(traj, "segments", []) or []):
-        for ci, comp in enumerate(_get(seg, "completions", []) or []):
-            if any((si, _get(tc, "id")) in failed for tc in _get(comp, "tool_calls", []) or []):
-                out.add((si, ci))
-    return out
+    (what `broken_calls` and `failed_edits` count): those `completion_calls` finds not ok.
+    `ObjectiveConfig.failed_call_credit` and `failed_call_blame` use them."""
+    return {key for key, (_, ok) in completion_calls(traj).items() if not ok}
 
 
 def completion_calls(traj) -> dict[tuple[int, int], tuple[str, bool]]:
     """(segment, completion index) -> (the tool it called first, whether all its calls ran as
     written and every edit among them applied) for every policy call that issued a tool call,
-    matched to the executed calls by id within the segment as `completions_with_failed_calls` is.
-    `ObjectiveConfig.call_advantage` compares these verdicts between calls of the same tool."""
+    matched to the executed calls by the tool call's id within its segment (ids repeat across
+    segments). `ObjectiveConfig.call_advantage` compares these verdicts between calls of the same tool."""
     records = {(_get(t, "segment", 0), _get(t, "id")): t for t in _get(traj, "tool_calls", []) or []}
     out = {}
     for si, seg in enumerate(_get(traj, "segments", []) or []):

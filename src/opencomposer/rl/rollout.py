@@ -13,7 +13,7 @@ from pathlib import Path
 from opencomposer.evals.runner import EvalConfig, run_episode
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.harness.trajectory import Trajectory
-from opencomposer.rl.rewards import RewardConfig, completion_calls, completions_with_failed_calls, reward
+from opencomposer.rl.rewards import RewardConfig, completion_calls, reward
 from opencomposer.rl.sequences import RLSequence, SequenceError, build_sequences
 from opencomposer.tasks.format import Task
 
@@ -73,11 +73,11 @@ def run_rollout(task: Task, sample: Sample, policy, pool, agent: AgentConfig, re
     sample.seconds = {"episode": round(rec["seconds"], 3), "policy": round(traj.policy_seconds, 3),
                       "tools": round(traj.tool_seconds, 3), "grade": round(rec.get("grade_seconds", 0.0), 3)}
     r = reward(traj, rec["passed"], rewards)
-    failed = completions_with_failed_calls(traj)
-    called = completion_calls(traj)
+    called = completion_calls(traj)  # (segment, completion) -> (tool, ok)
     for seq in seqs:
-        seq.failed_calls = [ci for ci in seq.completions if (seq.segment, ci) in failed]
-        seq.calls = [called.get((seq.segment, ci), ("", True))[0] for ci in seq.completions]
+        verdicts = [called.get((seq.segment, ci), ("", True)) for ci in seq.completions]
+        seq.failed_calls = [ci for ci, (_, ok) in zip(seq.completions, verdicts) if not ok]
+        seq.calls = [tool for tool, _ in verdicts]
     names = [c.name for c in traj.tool_calls]
     sample.passed, sample.reward, sample.breakdown = bool(rec["passed"]), r.total, asdict(r)
     sample.sequences, sample.turns, sample.merge_rate = seqs, traj.turns, stats.merge_rate

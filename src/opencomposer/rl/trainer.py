@@ -127,7 +127,7 @@ class RLTrainer:
         for group in groups:
             calls = call_terms(group, cfg.call_advantage)
             unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
-            if unsolved:
+            if unsolved:  # skipped by the outcome term; the call term may still train it (`call_only_groups`)
                 stats["unsolved_groups_skipped"] += 1
                 if not calls:
                     continue
