@@ -134,14 +134,24 @@ def assert_match(model, seqs):
 def test_multi_turn_episode_with_a_self_summary_is_token_exact(served, setup, tmp_path):
     family, srv, folder = served
     root, repo, episode, summary, tools, tok = setup
-    policy = OpenAIPolicy(base_url=srv.url, model=folder.name, temperature=TEMPERATURE, max_tokens=64, max_retries=0,
-                          extra_body={"seed": 1})
     cfg = AgentConfig(max_turns=5, tools=TOOLS_CFG, parallel_tool_calls=False,
                       context=ContextConfig(budget_tokens=budget_crossed_by_turn_2(tok, episode, tools),
                                             trigger=1.0, chars_per_token=1000.0))
-    with Workspace(repo) as ws, ws.sandbox() as sb:
-        traj = Agent(policy, sb, cfg).run(TASK)
-    assert len(traj.tool_calls) >= 2 and traj.summaries and len(traj.segments) >= 2, (traj.stop_reason, traj.turns)
+    # The check needs an episode of the taught shape (two calls, then a summary). The tiny model's
+    # training differs in the last bits between CPUs (AVX2 vs AVX-512 reductions), so one fixed seed
+    # can sample "Done." at once on some hosts (CI did, for the MoE); the first of a few seeds whose
+    # episode has that shape is kept. Every token is still sampled by the engine.
+    tried = []
+    for seed in range(1, 9):
+        policy = OpenAIPolicy(base_url=srv.url, model=folder.name, temperature=TEMPERATURE, max_tokens=64,
+                              max_retries=0, extra_body={"seed": seed})
+        with Workspace(repo) as ws, ws.sandbox() as sb:
+            traj = Agent(policy, sb, cfg).run(TASK)
+        if len(traj.tool_calls) >= 2 and traj.summaries and len(traj.segments) >= 2:
+            break
+        tried.append((seed, traj.stop_reason, traj.turns, len(traj.tool_calls), len(traj.summaries)))
+    else:
+        pytest.fail(f"no seed gave two calls and a summary: {tried}")
     assert traj.summaries[0]["summary"]  # the model summarised in its own words (as taught)
     comps = [c for s in traj.segments for c in s.completions]
     assert all(c["prompt_token_ids"] and c["token_ids"] and c["sampling"]["temperature"] == TEMPERATURE

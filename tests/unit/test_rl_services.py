@@ -35,3 +35,14 @@ def test_a_replica_that_dies_mid_answer_reads_as_not_answering():
     assert replica.health(max_age_s=0.0) == {}  # not an exception: the loop then replaces the replica
     assert replica.set_threads(1) is False
     t.join(timeout=10)
+
+
+def test_a_refusal_made_before_the_replica_saw_the_last_snapshot_is_already_answered():
+    from opencomposer.rl.loop import answered
+
+    # v5 corrupt (seen 5), v6 a delta against it (seen 6); the driver published full v7 for the first
+    assert not answered([{"version": 4, "seen": 5}], -1)  # nothing published yet: answer it
+    assert answered([{"version": 4, "seen": 6}], 7)  # the second refusal: v7 answers it too
+    assert not answered([{"version": 4, "seen": 7}], 7)  # the snapshot itself refused: answer again
+    assert not answered([{"version": 4, "seen": 6}, {"version": 4, "seen": 7}], 7)
+    assert not answered([{"version": 4}], 7) and not answered([], 7)  # no `seen` (an older replica): answer

@@ -70,11 +70,12 @@ def test_corrupt_partial_and_out_of_order_versions_are_rejected(tmp_path):
     with pytest.raises(WeightStoreError, match="corrupt or partial"):
         puller.poll()
     assert engine.version == 1 and state_digest(served.to_hf_state()) == good  # still serving v1
+    assert puller.seen == 2  # the refusal is about the store up to v2: a full snapshot after it answers it
 
     store.publish(step(trainer), 3)  # a delta against v2, which this replica never got
     with pytest.raises(WeightStoreError, match="no version in the store applies to version 1"):
         puller.poll()
-    assert engine.version == 1
+    assert engine.version == 1 and puller.seen == 3
 
     # a torn upload: the blob without its manifest is not a version at all
     (tmp_path / "store" / "v00000009").mkdir()

@@ -268,6 +268,8 @@ class WeightPuller:
         self.errors: list[str] = []
         self.applied = 0
         self.failed: set[int] = set()
+        self.seen = -1
+        """The newest version in the store at the last poll: a refusal is about the store up to it."""
 
     def _state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.engine.model.to_hf_state().items()}
@@ -279,6 +281,7 @@ class WeightPuller:
             newer = [v for v in self.store.versions() if v > current and v not in self.failed]
             if not newer:
                 return current
+            self.seen = max(self.seen, newer[-1])
             bases = {v: self.store.manifest(v)["base"] for v in newer}
             chain = next((v for v in newer if bases[v] == current), None)
             full = max((v for v in newer if bases[v] is None), default=None)
@@ -311,7 +314,8 @@ class WeightFollower:
         self.puller = WeightPuller(WeightStore(WeightStoreConfig(url=url)), engine)
         self.url, self.interval_s, self.wait_s = url, interval_s, wait_s
         self.refusals: list[dict] = []
-        """{"version": the engine's version when refused, "error": why}, one per distinct error."""
+        """{"version": the engine's version when refused, "seen": the newest version in the store then,
+        "error": why}, one per distinct error. A full snapshot newer than `seen` answers the refusal."""
         self._last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,7 +331,8 @@ class WeightFollower:
         except (WeightStoreError, TimeoutError) as e:
             if str(e) != self._last_error:  # the same refusal on every poll until a full snapshot comes
                 self._last_error = str(e)
-                self.refusals.append({"version": self.puller.engine.version, "error": str(e)[:500]})
+                self.refusals.append({"version": self.puller.engine.version, "seen": self.puller.seen,
+                                      "error": str(e)[:500]})
 
     def start(self) -> WeightFollower:
         self._stop.clear()

@@ -139,6 +139,13 @@ class RLConfig:
     1.14x sooner, at 1.37x fewer replica seconds per token (one pair of runs, docs/rl.md)."""
 
 
+def answered(refusals: list[dict], snapshot: int) -> bool:
+    """Whether the full snapshot `snapshot` already answers these refusals: each was made before the
+    replica could see it (a delta published after a corrupt one no longer chains and is refused in
+    turn; the snapshot published for the first refusal is the answer to both)."""
+    return bool(refusals) and all(r.get("seen") is not None and r["seen"] < snapshot for r in refusals)
+
+
 def thread_split(cfg: RLConfig) -> tuple[int, int]:
     """(trainer threads, replica threads); 0 leaves torch's default (RLConfig.replica_threads)."""
     trainer, replica = cfg.trainer_threads, cfg.replica_threads
@@ -195,6 +202,9 @@ class Run:
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
         self.version, self.trained = 0, set()
         self._rejections_answered = 0
+        self._answered_by = -1
+        """The last full snapshot published to answer a refusal: it answers every refusal made before
+        the replica could see it."""
         self._eval_seconds = 0.0  # held-out evaluations during the run: not counted in `minutes`
         self._last_step_time: float | None = None
         """Wall clock of the last step (this process): step_seconds is the time between steps."""
@@ -453,10 +463,16 @@ class Run:
     def _repair(self, store, replica: Replica) -> None:
         """A replica refused a version: publish the trainer's weights whole, as the next version
         (the refused number stays refused), so that every replica has a base it can load again."""
-        if replica.rejected <= self._rejections_answered:
+        total = replica.rejected
+        if total <= self._rejections_answered:
             return
-        self._rejections_answered = replica.rejected
+        fresh = replica.refusals()[-(total - self._rejections_answered):]
+        self._rejections_answered = total
+        if answered(fresh, self._answered_by):
+            self.events.record("refusals_answered", by=self._answered_by, refusals=len(fresh))
+            return
         self.version += 1
+        self._answered_by = self.version
         self.trainer.save(self.out / "step.pt", self.version, sorted(self.trained))
         m = store.publish(self.trainer.model.to_hf_state(), self.version, full=True)
         self.events.record("republished", version=self.version, reason="a replica rejected a version",

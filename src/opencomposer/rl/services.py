@@ -78,14 +78,15 @@ class Replica:
     def version(self) -> int:
         return self.server.engine.version if self.server else -1
 
-    def _refusals(self) -> list[dict]:
+    def refusals(self) -> list[dict]:
+        """The follower's refusals, oldest first."""
         follower = self.server.frontend.follower if self.server else None
         return follower.refusals if follower is not None else []
 
     @property
     def rejected(self) -> int:
         """Versions this replica refused (corrupt, partial, out of order); new ones are recorded."""
-        refusals = self._refusals()
+        refusals = self.refusals()
         for r in refusals[self._reported:]:
             self.events.record("weights_rejected", replica=self.url, version=r["version"], error=r["error"])
         self._reported = len(refusals)
@@ -201,7 +202,8 @@ class ReplicaProcess(Replica):
             return False
         return True
 
-    def _refusals(self) -> list[dict]:
+    def refusals(self) -> list[dict]:
+        """The newest refusals the replica lists (up to 20), oldest first."""
         return ((self.health().get("weights") or {}).get("refusals")) or []
 
     @property
