@@ -38,7 +38,7 @@ def test_a_replica_that_dies_mid_answer_reads_as_not_answering():
 
 
 def test_a_refusal_made_before_the_replica_saw_the_last_snapshot_is_already_answered():
-    from opencomposer.rl.loop import answered
+    from opencomposer.rl.services import answered
 
     # v5 corrupt (seen 5), v6 a delta against it (seen 6); the driver published full v7 for the first
     assert not answered([{"version": 4, "seen": 5}], -1)  # nothing published yet: answer it

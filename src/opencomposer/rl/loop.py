@@ -53,7 +53,7 @@ from opencomposer.rl.events import EventLog, read_events
 from opencomposer.rl.objective import ObjectiveConfig
 from opencomposer.rl.rewards import RewardConfig
 from opencomposer.rl.rollout import Sample, run_rollout
-from opencomposer.rl.services import RayReplica, Replica, ReplicaProcess, Workers, evaluate, ray_shutdown
+from opencomposer.rl.services import RayReplica, Replica, ReplicaProcess, Workers, answered, evaluate, ray_shutdown
 from opencomposer.rl.trainer import RLTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -139,13 +139,6 @@ class RLConfig:
     1.14x sooner, at 1.37x fewer replica seconds per token (one pair of runs, docs/rl.md)."""
 
 
-def answered(refusals: list[dict], snapshot: int) -> bool:
-    """Whether the full snapshot `snapshot` already answers these refusals: each was made before the
-    replica could see it (a delta published after a corrupt one no longer chains and is refused in
-    turn; the snapshot published for the first refusal is the answer to both)."""
-    return bool(refusals) and all(r.get("seen") is not None and r["seen"] < snapshot for r in refusals)
-
-
 def thread_split(cfg: RLConfig) -> tuple[int, int]:
     """(trainer threads, replica threads); 0 leaves torch's default (RLConfig.replica_threads)."""
     trainer, replica = cfg.trainer_threads, cfg.replica_threads
@@ -202,9 +195,7 @@ class Run:
         self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
         self.version, self.trained = 0, set()
         self._rejections_answered = 0
-        self._answered_by = -1
-        """The last full snapshot published to answer a refusal: it answers every refusal made before
-        the replica could see it."""
+        self._answered_by = -1  # the last full snapshot published to answer a refusal (`answered`)
         self._eval_seconds = 0.0  # held-out evaluations during the run: not counted in `minutes`
         self._last_step_time: float | None = None
         """Wall clock of the last step (this process): step_seconds is the time between steps."""
@@ -463,16 +454,14 @@ class Run:
     def _repair(self, store, replica: Replica) -> None:
         """A replica refused a version: publish the trainer's weights whole, as the next version
         (the refused number stays refused), so that every replica has a base it can load again."""
-        total = replica.rejected
-        if total <= self._rejections_answered:
+        total, before = replica.rejected, self._rejections_answered
+        if total <= before:
             return
-        fresh = replica.refusals()[-(total - self._rejections_answered):]
-        self._rejections_answered = total
+        self._rejections_answered, fresh = total, replica.refusals()[-(total - before):]
         if answered(fresh, self._answered_by):
             self.events.record("refusals_answered", by=self._answered_by, refusals=len(fresh))
             return
-        self.version += 1
-        self._answered_by = self.version
+        self.version = self._answered_by = self.version + 1
         self.trainer.save(self.out / "step.pt", self.version, sorted(self.trained))
         m = store.publish(self.trainer.model.to_hf_state(), self.version, full=True)
         self.events.record("republished", version=self.version, reason="a replica rejected a version",

@@ -49,6 +49,13 @@ class ServiceError(RuntimeError, UserError):
     pass
 
 
+def answered(refusals: list[dict], snapshot: int) -> bool:
+    """Whether the full snapshot `snapshot` already answers these refusals: each was made before the
+    replica could see it (a delta published after a corrupt one no longer chains and is refused in
+    turn; the snapshot published for the first refusal is the answer to both)."""
+    return bool(refusals) and all(r.get("seen") is not None and r["seen"] < snapshot for r in refusals)
+
+
 class Replica:
     """An inference replica in this process: our server on the current weights, following the store
     (`WeightFollower`). Refusals are recorded in the event log when the driver reads `rejected`."""
