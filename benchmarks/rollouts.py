@@ -27,9 +27,11 @@ The engine's own clock (prefill and decode seconds, `Engine.stats`) says how muc
 run's wall time the model took.
 
 Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
-the first (prefill excluded) for our engine as it serves (decode-sized products on the decode
-kernel, `kernels/decode_products.py`, the rest on oneDNN; q/k/v and gate/up fused, weights packed:
-`model/linear.py`), the same engine with every product on oneDNN, the same engine with plain
+the first (prefill excluded) for our engine as it serves (decode steps of 1-32 rows one C++ call a
+layer, `kernels/decode_layer.py`, its products on the decode kernel, `kernels/decode_products.py`;
+the head and prefill on oneDNN; q/k/v and gate/up fused, weights packed: `model/linear.py`), the
+same engine with the eager layers (each layer's ~130 torch calls; products still on the decode
+kernel up to 8 rows), the same engine with every product on oneDNN, the same engine with plain
 products (not fused, not packed, no decode kernel: oneDNN), the same engine on aten's `F.linear`
 (MKL here), and transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
 FLOPs per weight per row; with the memory bandwidth (a float32 sum over 512 MB) and FLOP/s (the
@@ -127,6 +129,7 @@ def hf_decode_cached(model, prompts: torch.Tensor, new: int) -> float:
 def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]:
     import transformers
 
+    from opencomposer.kernels import decode_layer
     from opencomposer.model import linear
     from opencomposer.model.hf import load_model
 
@@ -136,47 +139,54 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
     params = sum(p.numel() for p in mine.parameters())  # tied head: the embedding is read once, as the head
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     new, plen = 32, 64
-    impls = ("ours", "ours on oneDNN", "ours plain", "ours on aten", "transformers")
+    impls = ("ours", "ours, eager layers", "ours on oneDNN", "ours plain", "ours on aten", "transformers")
     res = {(impl, b): [] for impl in impls for b in BATCHES}
 
-    def ours(p, backend, prepared=True, kernel=True):
-        before = linear.set_backend(backend)
+    def ours(p, backend, prepared=True, kernel=True, fused=True):
+        before, fused_before = linear.set_backend(backend), decode_layer.set_enabled(fused)
         try:
             return ours_decode(mine, p, new, prepared, kernel=kernel)
         finally:
             linear.set_backend(before)
+            decode_layer.set_enabled(fused_before)
 
     for r in range(rounds):
         g = torch.Generator().manual_seed(r)
         for b in BATCHES:
             prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
             order = [("ours", lambda p=prompts: ours(p, "onednn")),
+                     ("ours, eager layers", lambda p=prompts: ours(p, "onednn", fused=False)),
                      ("ours on oneDNN", lambda p=prompts: ours(p, "onednn", kernel=False)),
                      ("ours plain", lambda p=prompts: ours(p, "onednn", prepared=False)),
-                     ("ours on aten", lambda p=prompts: ours(p, "aten")),
+                     ("ours on aten", lambda p=prompts: ours(p, "aten", fused=False)),
                      ("transformers", lambda p=prompts: hf_decode(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
     from opencomposer.kernels import decode_products
 
-    kernel = ("the decode kernel (`kernels/decode_products.py`) for decode-sized products, oneDNN for the rest"
-              if decode_products.load() is not None else
+    kernel = ("its decode steps one C++ call a layer (`kernels/decode_layer.py`, its products on the decode kernel "
+              "of `kernels/decode_products.py`), the head and prefill on oneDNN"
+              if decode_layer.op() is not None else
               f"oneDNN: the decode kernel was unavailable ({decode_products.unavailable()})")
-    lines = [f"`ours` ran its products on {kernel}, q/k/v and gate/up fused and weights packed; `on oneDNN` is "
+    lines = [f"`ours` ran {kernel}, q/k/v and gate/up fused and weights packed; `eager layers` is the same engine "
+             "with each layer's torch calls (`OPENCOMPOSER_DECODE_LAYER=off`; products of up to 8 rows still on the "
+             "decode kernel); `on oneDNN` is "
              f"the same engine without the decode kernel (`EngineConfig.decode_kernel` false: every product on "
              f"{linear.backend()}); `plain` is the same engine with none of the three (`fuse_products`, "
-             "`pack_weights` and `decode_kernel` false); `on aten` is the same engine on `F.linear` (where none "
-             "applies).", "",
-             "| batch | ours tok/s | ours on oneDNN tok/s | ours plain tok/s | ours on aten tok/s | transformers tok/s | "
-             "ours / on oneDNN | ours / transformers | roofline bound tok/s | ours / bound |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "`pack_weights` and `decode_kernel` false); `on aten` is the same engine on `F.linear` with eager "
+             "layers (where none applies).", "",
+             "| batch | ours tok/s | ours, eager layers tok/s | ours on oneDNN tok/s | ours plain tok/s | ours on aten "
+             "tok/s | transformers tok/s | ours / eager layers | ours / on oneDNN | ours / transformers | roofline "
+             "bound tok/s | ours / bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in BATCHES:
-        o, d, u, a, h = (statistics.median(res[(i, b)]) for i in impls)
+        o, e, d, u, a, h = (statistics.median(res[(i, b)]) for i in impls)
         ctx = plen + new // 2
         step = max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
         bound = b / step
-        lines.append(f"| {b} | {o:.1f} | {d:.1f} | {u:.1f} | {a:.1f} | {h:.1f} | **{o / d:.2f}x** | **{o / h:.2f}x** | "
+        lines.append(f"| {b} | {o:.1f} | {e:.1f} | {d:.1f} | {u:.1f} | {a:.1f} | {h:.1f} | {o / e:.2f}x | "
+                     f"**{o / d:.2f}x** | **{o / h:.2f}x** | "
                      f"{bound:.0f} | **{o / bound:.2f}** |")
     return lines
 
@@ -184,6 +194,7 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
 def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]:
     import transformers
 
+    from opencomposer.kernels import decode_layer
     from opencomposer.model.cache import KVCache
     from opencomposer.model.hf import load_model
 
@@ -193,10 +204,10 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
     params = sum(p.numel() for p in mine.parameters())
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     new, plen, shared = 64, 1600, 1200
-    impls = ("shared on", "shared off", "transformers")
+    impls = ("shared on", "shared off", "eager layers, shared on", "transformers")
     batches = (4, 8)
     res = {(impl, b): [] for impl in impls for b in batches}
-    attn = {(impl, b): [] for impl in impls[:2] for b in batches}  # seconds in decode attention per step
+    attn = {b: [] for b in batches}  # seconds in the eager layers' decode attention per step
     spent = [0.0]
     plain_attend = KVCache.decode_attend
 
@@ -207,14 +218,17 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
         finally:
             spent[0] += time.perf_counter() - t
 
-    def ours(p, share):
+    def ours(p, share, fused=True):
         spent[0] = 0.0
         KVCache.decode_attend = timed_attend
+        fused_before = decode_layer.set_enabled(fused)
         try:
             secs = ours_decode(mine, p, new, shared=shared, share=share)
         finally:
             KVCache.decode_attend = plain_attend
-        attn[("shared on" if share else "shared off", p.shape[0])].append(spent[0] / (new - 1))
+            decode_layer.set_enabled(fused_before)
+        if not fused:
+            attn[p.shape[0]].append(spent[0] / (new - 1))
         return secs
 
     for r in range(rounds):
@@ -224,21 +238,30 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
             prompts = torch.cat([head, torch.randint(0, cfg.vocab_size, (b, plen - shared), generator=g)], 1)
             order = [("shared on", lambda p=prompts: ours(p, True)),
                      ("shared off", lambda p=prompts: ours(p, False)),
+                     ("eager layers, shared on", lambda p=prompts: ours(p, True, fused=False)),
                      ("transformers", lambda p=prompts: hf_decode_cached(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("context", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
-    lines = ["| batch | shared on tok/s | shared off tok/s | transformers tok/s | on / off | on / transformers | "
-             "roofline bound tok/s | on / bound | attention ms a step, on / off |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["`shared on` / `off`: our engine as it serves (decode steps one C++ call a layer, "
+             "`kernels/decode_layer.py`), the shared prefix read from one slot for every row that shares it, or each "
+             "row reading its own copy; `eager layers, shared on`: the same engine with each layer's torch calls "
+             "(`OPENCOMPOSER_DECODE_LAYER=off`) and cascade attention over the shared prefix (`KVCache.decode_attend`).",
+             "",
+             "| batch | shared on tok/s | shared off tok/s | eager layers, shared on tok/s | transformers tok/s | on / off "
+             "| on / eager layers | on / transformers | roofline bound tok/s | on / bound | eager layers: attention ms a "
+             "step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in batches:
-        on, off, h = (statistics.median(res[(i, b)]) for i in impls)
-        a_on, a_off = (statistics.median(attn[(i, b)]) * 1e3 for i in impls[:2])
+        on, off, eager, h = (statistics.median(res[(i, b)]) for i in impls)
         ctx = plen + new // 2
         bound = b / max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
-        lines.append(f"| {b} | {on:.1f} | {off:.1f} | {h:.1f} | **{on / off:.2f}x** | **{on / h:.2f}x** | {bound:.0f} | "
-                     f"**{on / bound:.2f}** | {a_on:.1f} / {a_off:.1f} |")
+        lines.append(f"| {b} | {on:.1f} | {off:.1f} | {eager:.1f} | {h:.1f} | **{on / off:.2f}x** | "
+                     f"{on / eager:.2f}x | **{on / h:.2f}x** | {bound:.0f} | **{on / bound:.2f}** | "
+                     f"{statistics.median(attn[b]) * 1e3:.1f} |")
     lines += ["", "Attention: the seconds inside `KVCache.decode_attend` (the cache write and attention over it, all "
-              "layers) per decode step, timed around each call; the same wrapper in both arms."]
+              "layers) per decode step of the eager arm, timed around each call (the fused layer does both inside its "
+              "one call, so it has no such split)."]
     return lines
 
 

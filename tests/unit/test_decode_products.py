@@ -47,6 +47,18 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(kernel):
     assert torch.equal(kernel.products(x[5:6], ws)[0], full[5])
 
 
+@pytest.mark.parametrize("rows", [9, 16, 27])
+def test_past_8_rows_the_op_takes_groups_of_8_with_the_same_bits(kernel, rows):
+    """`products` declines more than 8 rows; the fused decode layer calls the op with up to 32."""
+    torch.manual_seed(rows)
+    ws = [torch.randn(300, 579), torch.randn(45, 579)]
+    x = torch.randn(rows, 579)
+    y = torch.ops.opencomposer_decode.products(x, ws)
+    assert (y.double() - _ref(x, ws)).abs().max() < 2e-4
+    for r in (0, rows - 1, rows // 2):
+        assert torch.equal(torch.ops.opencomposer_decode.products(x[r:r + 1], ws)[0], y[r])
+
+
 def test_it_declines_what_it_does_not_do(kernel):
     w = torch.randn(16, 32)
     assert kernel.products(torch.randn(9, 32), [w]) is None  # more than 8 rows: oneDNN's batch

@@ -38,7 +38,8 @@ class EngineConfig:
     decode_kernel: bool = True
     """Products of at most 8 rows (decode steps) on the AVX2 kernel of `kernels/decode_products.py`,
     which reads the weights faster than oneDNN at those sizes on this project's CPU; built on first
-    use (g++ and ninja), oneDNN where it cannot be."""
+    use (g++ and ninja), oneDNN where it cannot be. With it, a dense model's decode steps of 1-32
+    rows run one C++ call a layer (`kernels/decode_layer.py`: its products on the same kernel)."""
     max_waiting: int = 256
     """Sequences queued for a slot at most; past it `submit` raises EngineBusy (a server answers 429)."""
     shared_prefix_attention: bool = True

@@ -25,9 +25,10 @@ float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is 
 together (a test session and the servers it starts) build it once; in a folder of its own per Python
 environment, since torch rebuilds an extension whose flags changed and the flags name the
 environment's include paths (two checkouts' venvs sharing one folder rebuilt it, ~1 min, each time
-the other had run). The C++ op also takes more than 8 rows (groups of 8 against one L2-sized tile of
-weight rows), but `products` never sends it more: that path is unused and untested in the suite (a
-scratch check only).
+the other had run). The same extension holds the fused decode layer (`decode_layer.py`), which calls
+the kernel from C++. The C++ op also takes more than 8 rows (groups of 8 against one L2-sized tile
+of weight rows): `products` never sends it more, but the fused layer does, for decode steps of 9-32
+rows (tests/unit/test_decode_products.py checks that path too).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <vector>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 
 static inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -212,8 +216,12 @@ def _build():
         except ImportError:
             pass
 
+        from opencomposer.kernels import decode_layer
+
         env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
-        load_inline(name=f"opencomposer_decode_products_{env}", cpp_sources=[_SOURCE], is_python_module=False,
+        # one extension for both: the fused decode layer (`decode_layer.py`) runs its products on this kernel
+        load_inline(name=f"opencomposer_decode_products_{env}", cpp_sources=[_SOURCE, decode_layer.SOURCE],
+                    is_python_module=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return torch.ops.opencomposer_decode.products
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN keeps every product

@@ -165,6 +165,29 @@ class KVCache:
         full.index_copy_(0, others, _attend_runs(q.index_select(0, others), store, plan.runs, scale))
         return full
 
+    def decode_rows(self, rows: torch.Tensor, heads: int, head_dim: int, dtype) -> tuple[torch.Tensor, ...]:
+        """For a decode step on the fused layer (`kernels/decode_layer.py`), with storage grown for
+        it in every layer: each row's offset, and the slot and length of the prefix it reads from
+        another slot (the first of the rows that share `shared`, when at least two do, as in
+        `decode_attend`; else its own slot and 0)."""
+        starts = self.lengths[rows]
+        slots, begin = rows.tolist(), starts.tolist()
+        like = (torch.empty(1, heads, 1, head_dim, dtype=dtype),) * 2
+        for layer in range(self.num_layers):
+            self._grow(max(begin) + 1, like, layer)
+        src, prefix = list(slots), [0] * len(slots)
+        sh = self.shared
+        if sh is not None and sh.length > 0:
+            inside = [i for i, (s, b) in enumerate(zip(slots, begin)) if s in sh.slots and b >= sh.length]
+            if len(inside) >= 2:
+                for i in inside:
+                    src[i], prefix[i] = slots[inside[0]], sh.length
+        return starts, torch.tensor(src), torch.tensor(prefix)
+
+    def storage(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """One layer's cached tensors (slots, H, capacity, D), as stored."""
+        return self._store[layer]
+
     def _decode_plan(self, rows: torch.Tensor) -> _DecodePlan:
         """The plan for one decode forward over `rows`, made by its first layer and reused by the
         others: the lengths only change after the last layer (`advance`), a new forward starts in

@@ -200,7 +200,9 @@ def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None =
     names weights to fuse (a `FUSE` tuple of sub-module names) gets its `FusedProducts`; with
     `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights; with
     `decode`, their products of at most 8 rows run on the decode kernel, built here (not in the
-    first decode step) where it is not built yet, and packing for at most 8 rows is skipped. Calling
+    first decode step) where it is not built yet, packing for at most 8 rows is skipped, and a model
+    with `fused_decode` runs its decode steps of at most 8 rows one C++ call a layer
+    (`kernels/decode_layer.py`; "layers" counts such models). Calling
     it again replaces the previous set-up (fuse=False, pack=None, decode=False: the plain model).
     Returns how many modules got each ("decode": 0 where the kernel is unavailable, for the reason
     `decode_products.unavailable()` gives)."""
@@ -213,8 +215,13 @@ def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None =
             # prefill, which ran as fast or faster unpacked (512 / 1,600 tokens, SmolLM2: 1.08 / 3.94 s
             # packed against 1.09 / 3.53 s, scratch, 3 rounds): skip the ~540 MB copy.
             pack = None
-    n = {"fused": 0, "packed": 0, "decode": 0}
+    n = {"fused": 0, "packed": 0, "decode": 0, "layers": 0}
     for m in model.modules():
+        if hasattr(type(m), "fused_decode"):  # a model whose decode steps can run one C++ call a layer
+            from opencomposer.kernels import decode_layer
+
+            m.fused_decode = bool(decode) and decode_layer.op() is not None
+            n["layers"] += m.fused_decode
         names = getattr(type(m), "FUSE", None)
         if names:
             m.fused = FusedProducts([getattr(m, k) for k in names], pack, decode) if fuse else None

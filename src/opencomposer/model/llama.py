@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
+from opencomposer.kernels import decode_layer
 from opencomposer.model.cache import KVCache, attend
 from opencomposer.model.errors import ModelLoadError
 from opencomposer.model.linear import FusedProducts, Linear
@@ -109,6 +110,8 @@ class Block(nn.Module):
 
 
 class LlamaModel(CausalLM):
+    fused_decode = False  # decode steps on `kernels/decode_layer` (set by `linear.prepare_inference`)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
@@ -131,13 +134,35 @@ class LlamaModel(CausalLM):
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         pos, mask, r = self._positions(input_ids, cache, rows, segments)
-        rope = Rotary(*rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype))
-        for layer in self.layers:
-            x = self._block(layer, checkpoint, x, rope, cache, r, mask)
+        if self.fused_decode and cache is not None and decode_layer.applies(x, self.config.head_dim):
+            x = self._decode_fused(x, pos, cache, r)
+        else:
+            rope = Rotary(*rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype))
+            for layer in self.layers:
+                x = self._block(layer, checkpoint, x, rope, cache, r, mask)
         if cache is not None:
             cache.advance(r, t)
         h = self.norm(x)
         return ForwardOut(logits=self._head(h, logits), hidden=h)
+
+    def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+        """The layers of a decode step, one C++ call each (`kernels/decode_layer.py`), in place on x."""
+        cfg = self.config
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, pos, x.dtype)
+        half = cfg.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate-half's sign, as `Rotary`
+        rows = rows.contiguous()
+        starts, src, prefix = cache.decode_rows(rows, cfg.num_key_value_heads, cfg.head_dim, x.dtype)
+        h = x.view(x.shape[0], x.shape[2])
+        op = decode_layer.op()
+        for i, blk in enumerate(self.layers):
+            a, m = blk.self_attn, blk.mlp
+            ws = [blk.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                  blk.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+            ks, vs = cache.storage(i)
+            op(h, ws, ks, vs, rows, starts, src, prefix, cos, sin, cfg.rms_norm_eps, cfg.num_attention_heads,
+               cfg.num_key_value_heads)
+        return x
 
     # Hugging Face names: everything but the head lives under "model.".
     def to_hf_state(self) -> dict[str, torch.Tensor]:

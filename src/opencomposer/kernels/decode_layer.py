@@ -1,0 +1,251 @@
+"""One decoder layer of the dense family (`model/llama.py`) for a decode step, as one C++ call: the
+norms, the q/k/v, output and MLP products (on `decode_products`' kernel), RoPE, the cache write,
+attention over each row's cached keys and SwiGLU, for 1-8 rows of one new token each, float32.
+
+Why: in eager mode a batch-8 decode step of SmolLM2-135M made ~130 torch calls a layer (norms,
+RoPE, the cache write, attention, views), each a few microseconds of dispatch and Python. Profiled
+on the AVX-512 Xeon (2 cores, 2026-12-05): the products took ~38 of a ~70 ms step and those calls
+most of the rest (docs/inference.md). Here a layer is one call; what a step still does in Python is
+the embedding, the rotary tables, the final norm and the head.
+
+Numerics: the same steps in float32 as the eager layer, in a different order of summation (the norm's
+mean, the attention's dot products and softmax sum), and `exp` from a polynomial (Cephes' expf,
+~2 ulp) where torch uses its own vectorised one; so logits differ from the eager path's by float32
+rounding, well inside the train/serve bound of 1e-4 that the conformance tests assert
+(`tests/unit/test_decode_layer.py` compares both paths). Each row's attention reads only its own
+keys (its slot, or for positions inside a shared prefix the slot that prefix was read from: the
+same bytes, read once for all rows that share it while it sits in cache), so a row's output does
+not depend on the other rows in the batch.
+
+It runs where `prepare_inference(decode=True)` enabled it, the decode-products kernel was built (the
+layer is compiled into the same extension), the step decodes one token per row without gradients,
+in float32 on CPU, with at most 8 rows and a head size that is a multiple of 8; everywhere else the
+eager layer runs. `OPENCOMPOSER_DECODE_LAYER=off` turns it off alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SOURCE = r"""
+// exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial),
+// the form of avx_mathfun; relative error ~2 ulp over the clamped range.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// a[i] = exp(a[i] - shift) for i < n; returns their sum
+static float exp_shifted(float* a, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(a + i), s));
+    _mm256_storeu_ps(a + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum(acc);
+  if (i < n) {
+    alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = i; j < n; ++j) tail[j - i] = a[j] - shift;
+    __m256 e = exp8(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (int64_t j = i; j < n; ++j) { a[j] = tail[j - i]; total += tail[j - i]; }
+  }
+  return total;
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w for each of B rows of D (torch's rms_norm: (x * r) * w)
+static void rms_rows(const float* x, const float* w, float* y, int64_t B, int64_t D, float eps) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = x + b * D;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) { __m256 v = _mm256_loadu_ps(xr + i); acc = _mm256_fmadd_ps(v, v, acc); }
+    float ss = hsum(acc);
+    for (; i < D; ++i) ss += xr[i] * xr[i];
+    const float r = 1.0f / std::sqrt(ss / float(D) + eps);
+    for (int64_t j = 0; j < D; ++j) y[b * D + j] = (xr[j] * r) * w[j];
+  }
+}
+
+// rotate-half RoPE of one head in place: x * cos + roll(x, D/2) * sin', sin' = sin with its first half negated
+static void rope_head(float* x, const float* c, const float* s, int64_t D) {
+  float tmp[512];
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) tmp[i] = x[i] * c[i] + x[(i + h) % D] * s[i];
+  for (int64_t i = 0; i < D; ++i) x[i] = tmp[i];
+}
+
+static inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 8
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
+// One decode step of one layer, in place on x (B, D). ws: input norm, q, k, v, o, post-attention
+// norm, gate, up, down. ks / vs: the layer's cache (slots, Hk, cap, hd). Row b writes its new key
+// and value at position starts[b] of slot slots[b] and attends over positions [0, starts[b]]: those
+// below prefix[b] from slot src[b] (a prefix that slot holds the same bytes of), the rest from its own.
+torch::Tensor layer(torch::Tensor x, const std::vector<torch::Tensor>& ws, torch::Tensor ks, torch::Tensor vs,
+                    const torch::Tensor& slots, const torch::Tensor& starts, const torch::Tensor& src,
+                    const torch::Tensor& prefix, const torch::Tensor& cos, const torch::Tensor& sin, double eps,
+                    int64_t hq, int64_t hk) {
+  TORCH_CHECK(ws.size() == 9, "nine weights: norm, q, k, v, o, norm, gate, up, down");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: (B, D) float32, contiguous");
+  TORCH_CHECK(ks.is_contiguous() && vs.is_contiguous() && ks.scalar_type() == torch::kFloat &&
+              vs.scalar_type() == torch::kFloat && ks.dim() == 4 && ks.sizes() == vs.sizes(),
+              "cache: (slots, Hk, cap, hd) float32");
+  const int64_t B = x.size(0), D = x.size(1), hd = ks.size(3), cap = ks.size(2), g = hq / hk;
+  TORCH_CHECK(B >= 1 && B <= 64, "1-64 rows");
+  TORCH_CHECK(hd % 8 == 0 && hd <= 512 && ks.size(1) == hk && hq % hk == 0, "head size a multiple of 8, GQA heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * hd && sin.numel() == B * hd,
+              "cos/sin (B, hd)");
+  for (const auto& t : {slots, starts, src, prefix})
+    TORCH_CHECK(t.scalar_type() == torch::kLong && t.numel() == B && t.is_contiguous(), "rows: (B,) int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* sr = src.data_ptr<int64_t>();
+  const int64_t* pf = prefix.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < ks.size(0) && sr[b] >= 0 && sr[b] < ks.size(0) && st[b] >= 0 && st[b] < cap &&
+                pf[b] >= 0 && pf[b] <= st[b], "row ", b, " outside the cache");
+  const float eps_f = float(eps);
+  float* xp = x.data_ptr<float>();
+
+  // attention block
+  auto h = torch::empty({B, D}, x.options());
+  rms_rows(xp, ws[0].data_ptr<float>(), h.data_ptr<float>(), B, D, eps_f);
+  auto qkv = products(h, {ws[1], ws[2], ws[3]});  // (B, (hq + 2 hk) hd): q heads, k heads, v heads
+  const int64_t nqkv = qkv.size(1);
+  float* qp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kst = ks.data_ptr<float>();
+  float* vst = vs.data_ptr<float>();
+  const int64_t s_slot = hk * cap * hd, s_head = cap * hd;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < hq + hk; ++i) rope_head(qp + b * nqkv + i * hd, cp + b * hd, sp + b * hd, hd);
+    for (int64_t j = 0; j < hk; ++j) {
+      const float* kn = qp + b * nqkv + (hq + j) * hd;
+      const float* vn = qp + b * nqkv + (hq + hk + j) * hd;
+      std::memcpy(kst + sl[b] * s_slot + j * s_head + st[b] * hd, kn, hd * sizeof(float));
+      std::memcpy(vst + sl[b] * s_slot + j * s_head + st[b] * hd, vn, hd * sizeof(float));
+    }
+  }
+  auto att = torch::empty({B, hq * hd}, x.options());
+  float* ap = att.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(float(hd));
+  at::parallel_for(0, B * hk, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sc;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / hk, j = t % hk, L = st[b] + 1, P = pf[b];
+      const float* kown = kst + sl[b] * s_slot + j * s_head;
+      const float* vown = vst + sl[b] * s_slot + j * s_head;
+      const float* kpre = kst + sr[b] * s_slot + j * s_head;
+      const float* vpre = vst + sr[b] * s_slot + j * s_head;
+      sc.resize(g * L);
+      for (int64_t p = 0; p < L; ++p) {
+        const float* kr = (p < P ? kpre : kown) + p * hd;
+        for (int64_t q = 0; q < g; ++q) sc[q * L + p] = dot(qp + b * nqkv + (j * g + q) * hd, kr, hd) * scale;
+      }
+      for (int64_t q = 0; q < g; ++q) {
+        float* s = sc.data() + q * L;
+        float m = s[0];
+        for (int64_t p = 1; p < L; ++p) m = std::max(m, s[p]);
+        const float inv = 1.0f / exp_shifted(s, L, m);
+        float* o = ap + b * hq * hd + (j * g + q) * hd;
+        for (int64_t d0 = 0; d0 < hd; d0 += 32) {  // 4 accumulators of 8 lanes at a time
+          const int64_t nd = std::min<int64_t>(32, hd - d0) / 8;
+          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t p = 0; p < L; ++p) {
+            const __m256 w = _mm256_set1_ps(s[p]);
+            const float* vr = (p < P ? vpre : vown) + p * hd + d0;
+            for (int64_t u = 0; u < nd; ++u) acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * u), acc[u]);
+          }
+          const __m256 iv = _mm256_set1_ps(inv);
+          for (int64_t u = 0; u < nd; ++u) _mm256_storeu_ps(o + d0 + 8 * u, _mm256_mul_ps(acc[u], iv));
+        }
+      }
+    }
+  });
+  auto o = products(att, {ws[4]});
+  const float* op = o.data_ptr<float>();
+  for (int64_t i = 0; i < B * D; ++i) xp[i] += op[i];
+
+  // MLP block: down(silu(gate) * up)
+  rms_rows(xp, ws[5].data_ptr<float>(), h.data_ptr<float>(), B, D, eps_f);
+  auto gu = products(h, {ws[6], ws[7]});  // (B, 2 I): gate, then up
+  const int64_t I = ws[6].size(0);
+  auto a = torch::empty({B, I}, x.options());
+  float* gp = gu.data_ptr<float>();
+  float* aa = a.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    float* gr = gp + b * 2 * I;
+    float* e = aa + b * I;
+    for (int64_t i = 0; i < I; ++i) e[i] = -gr[i];
+    exp_shifted(e, I, 0.0f);  // exp(-gate)
+    for (int64_t i = 0; i < I; ++i) e[i] = gr[i] / (1.0f + e[i]) * gr[I + i];
+  }
+  auto dn = products(a, {ws[8]});
+  const float* dp = dn.data_ptr<float>();
+  for (int64_t i = 0; i < B * D; ++i) xp[i] += dp[i];
+  return x;
+}
+
+TORCH_LIBRARY(opencomposer_decode_layer, m) {
+  m.def("layer(Tensor(a!) x, Tensor[] ws, Tensor(b!) ks, Tensor(c!) vs, Tensor slots, Tensor starts, Tensor src, "
+        "Tensor prefix, Tensor cos, Tensor sin, float eps, int hq, int hk) -> Tensor(a!)");
+}
+TORCH_LIBRARY_IMPL(opencomposer_decode_layer, CPU, m) { m.impl("layer", &layer); }
+"""
+
+MAX_ROWS = 32
+_enabled: dict = {"on": None}
+
+
+def enabled() -> bool:
+    """On unless OPENCOMPOSER_DECODE_LAYER=off or set_enabled(False) (the decode-products kernel's
+    own switch turns this off too: the layer runs its products)."""
+    if _enabled["on"] is None:
+        _enabled["on"] = os.environ.get("OPENCOMPOSER_DECODE_LAYER", "on").lower() not in ("off", "0", "false")
+    from opencomposer.kernels import decode_products
+
+    return _enabled["on"] and decode_products.enabled()
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fused layer on or off in this process (for comparisons); returns the setting before."""
+    before = enabled()
+    _enabled["on"] = bool(on)
+    return before
+
+
+def op():
+    """The compiled layer op (built with the decode-products kernel), or None where it is unavailable."""
+    from opencomposer.kernels import decode_products
+
+    if decode_products.load() is None:
+        return None
+    return torch.ops.opencomposer_decode_layer.layer
+
+
+def applies(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether a decode step with hidden states x (B, 1, D) can run on the op (module docstring)."""
+    return (x.dim() == 3 and x.shape[1] == 1 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+            and x.device.type == "cpu" and head_dim % 8 == 0 and head_dim <= 512 and not torch.is_grad_enabled()
+            and enabled())

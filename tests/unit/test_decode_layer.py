@@ -1,0 +1,165 @@
+"""The fused decode layer (`kernels/decode_layer.py`): a dense model's decode step as one C++ call a
+layer must give each row the logits of its own sequence's full forward, write the same keys and
+values into the cache as the eager layers, read a shared prefix from the slot it names, give a row
+the same bits whatever else is in the batch, and leave every other forward to the eager layers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opencomposer.kernels import decode_layer, decode_products  # noqa: E402
+from opencomposer.model.cache import SharedPrefix  # noqa: E402
+from opencomposer.model.linear import prepare_inference  # noqa: E402
+from opencomposer.model.llama import PRESETS, LlamaConfig, LlamaModel  # noqa: E402
+
+# head size 16 (a multiple of 8), 3 query heads per key head
+CFG = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def models():
+    if decode_products.load() is None:
+        pytest.skip(decode_products.unavailable() or "decode kernel unavailable")
+    torch.manual_seed(0)
+    fused = LlamaModel(CFG).eval()
+    plain = LlamaModel(CFG).eval()
+    plain.load_state_dict(fused.state_dict())
+    assert prepare_inference(fused, decode=True)["layers"] == 1 and fused.fused_decode
+    return fused, plain
+
+
+def _calls(monkeypatch):
+    """Count the fused op's calls (a wrapper around the real op)."""
+    real, n = decode_layer.op(), [0]
+
+    def counted(*a):
+        n[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(decode_layer, "op", lambda: counted)
+    return n
+
+
+def test_scattered_rows_equal_each_sequence_alone_and_the_eager_cache(models, monkeypatch):
+    """Slots with gaps, different lengths, rows listed out of order: each row's logits equal its own
+    full forward, and the cache holds what the eager layers write (float32 rounding apart)."""
+    fused, plain = models
+    calls = _calls(monkeypatch)
+    lengths = {0: 5, 1: 9, 3: 3, 4: 7, 6: 4}
+    g = torch.Generator().manual_seed(1)
+    prompts = {s: torch.randint(0, 300, (1, n), generator=g) for s, n in lengths.items()}
+    with torch.no_grad():
+        caches = {m: m.new_cache(7, 64) for m in (fused, plain)}
+        for m, c in caches.items():
+            for s, p in prompts.items():
+                m.run(p, cache=c, rows=[s])
+        for rows in ([0, 1, 3, 4, 6], [6, 1, 4], [3], [1, 0]):
+            nxt = torch.randint(0, 300, (len(rows), 1), generator=g)
+            before = calls[0]
+            out = fused.run(nxt, cache=caches[fused], rows=rows).logits[:, -1]
+            assert calls[0] == before + CFG.num_hidden_layers
+            eager = plain.run(nxt, cache=caches[plain], rows=rows).logits[:, -1]
+            assert (out - eager).abs().max() < 1e-5
+            for i, s in enumerate(rows):
+                prompts[s] = torch.cat([prompts[s], nxt[i:i + 1]], 1)
+                assert torch.allclose(out[i], plain(prompts[s])[0, -1], atol=1e-5), (rows, s)
+    assert torch.equal(caches[fused].lengths, caches[plain].lengths)
+    for layer in range(CFG.num_hidden_layers):
+        for a, b in zip(caches[fused].storage(layer), caches[plain].storage(layer)):
+            assert (a - b).abs().max() < 1e-5
+
+
+def test_a_shared_prefix_is_read_from_the_slot_it_names(models):
+    """Rows that share a prefix read it from the first member row's slot (slot 0 here). To show that
+    the op reads it there (and not from each row's own copy), the other members' copies are
+    overwritten with noise:
+    the logits still equal each sequence's full forward. Slot 6 is not a member."""
+    fused, plain = models
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 300, (1, 10), generator=g)
+    prompts = {s: torch.cat([prefix, torch.randint(0, 300, (1, n), generator=g)], 1) for s, n in
+               {0: 1, 1: 4, 3: 2, 4: 6}.items()}
+    prompts[6] = torch.randint(0, 300, (1, 12), generator=g)
+    with torch.no_grad():
+        cache = fused.new_cache(7, 64)
+        fused.run(prefix, cache=cache, rows=[0])
+        cache.copy(0, [1, 3, 4])
+        for s, p in prompts.items():
+            fused.run(p[:, 10:] if s != 6 else p, cache=cache, rows=[s])
+        for layer in range(CFG.num_hidden_layers):
+            for t in cache.storage(layer):
+                t[[1, 3, 4], :, :10] = torch.randn(3, t.shape[1], 10, t.shape[3], generator=g)
+        cache.shared = SharedPrefix(10, [0, 1, 3, 4])
+        rows = [0, 6, 1, 4, 3]
+        nxt = torch.randint(0, 300, (len(rows), 1), generator=g)
+        out = fused.run(nxt, cache=cache, rows=rows).logits[:, -1]
+        for i, s in enumerate(rows):
+            assert torch.allclose(out[i], plain(torch.cat([prompts[s], nxt[i:i + 1]], 1))[0, -1], atol=1e-5), s
+
+
+@pytest.mark.parametrize("batch", [8, 20])
+def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(models, batch):
+    """Up to 8 rows and past 8 (the products then take the rows in groups of 8). The final hidden
+    states: the head is not the layer's (past 8 rows it runs on oneDNN, whose result depends on
+    the batch)."""
+    fused, _ = models
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, 300, (batch, 6), generator=g)
+    nxt = torch.randint(0, 300, (batch, 1), generator=g)
+    outs = []
+    with torch.no_grad():
+        for rows in (list(range(batch)), [batch - 2], [0, batch - 2, 3]):
+            cache = fused.new_cache(batch, 16)
+            fused.run(prompts, cache=cache)
+            hidden = fused.run(nxt[rows], cache=cache, rows=rows, logits=False).hidden[:, -1]
+            outs.append(dict(zip(rows, hidden)))
+    for o in outs[1:]:
+        for r, v in o.items():
+            assert torch.equal(v, outs[0][r]), r
+
+
+def test_every_other_forward_stays_on_the_eager_layers(models, monkeypatch):
+    fused, _ = models
+    calls = _calls(monkeypatch)
+    ids = torch.randint(0, 300, (2, 5))
+    with torch.no_grad():
+        cache = fused.new_cache(40, 16)
+        fused.run(ids, cache=cache, rows=[0, 1])  # prefill: more than one token a row
+        fused.run(torch.randint(0, 300, (33, 1)), cache=cache, rows=list(range(33)))  # more than 32 rows
+        fused(ids)  # no cache
+        fused.double()
+        try:
+            fused.run(torch.randint(0, 300, (2, 1)), cache=fused.new_cache(2, 16), rows=[0, 1])  # float64
+        finally:
+            fused.float()
+    with torch.enable_grad():
+        fused.run(torch.randint(0, 300, (2, 1)), cache=fused.new_cache(2, 16), rows=[0, 1])  # gradients on
+    before = decode_layer.set_enabled(False)
+    try:
+        with torch.no_grad():
+            fused.run(torch.randint(0, 300, (2, 1)), cache=fused.new_cache(2, 16), rows=[0, 1])
+    finally:
+        decode_layer.set_enabled(before)
+    assert calls[0] == 0
+    odd = LlamaModel(PRESETS["tiny"]).eval()  # head size 16: applies
+    assert prepare_inference(odd, decode=True)["layers"] == 1
+    assert prepare_inference(odd)["layers"] == 0 and not odd.fused_decode  # a plain set-up turns it off
+
+
+def test_the_op_refuses_rows_outside_the_cache(models):
+    fused, _ = models
+    op = decode_layer.op()
+    blk = fused.layers[0]
+    a, m = blk.self_attn, blk.mlp
+    ws = [blk.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+          blk.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+    ks, vs = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
+    one = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        for slots, starts in ((torch.tensor([2]), one), (one, torch.tensor([8]))):
+            with pytest.raises(RuntimeError, match="outside the cache"):
+                op(torch.zeros(1, 96), ws, ks, vs, slots, starts, one, one, torch.zeros(1, 16), torch.zeros(1, 16),
+                   1e-5, 6, 2)
