@@ -122,7 +122,7 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(models, batch):
 
 
 def test_every_other_forward_stays_on_the_eager_layers(models, monkeypatch):
-    fused, _ = models
+    fused, plain = models
     calls = _calls(monkeypatch)
     ids = torch.randint(0, 300, (2, 5))
     with torch.no_grad():
@@ -143,6 +143,18 @@ def test_every_other_forward_stays_on_the_eager_layers(models, monkeypatch):
             fused.run(torch.randint(0, 300, (2, 1)), cache=fused.new_cache(2, 16), rows=[0, 1])
     finally:
         decode_layer.set_enabled(before)
+    strided = LlamaModel(CFG).eval()  # a weight the op cannot read as it is (columns not contiguous)
+    strided.load_state_dict(plain.state_dict())
+    prepare_inference(strided, decode=True)
+    w = strided.layers[1].mlp.up_proj.weight
+    w.data = w.data.t().contiguous().t()
+    nxt = torch.randint(0, 300, (2, 1))
+    with torch.no_grad():
+        caches = [m.new_cache(2, 16) for m in (strided, plain)]
+        for m, c in zip((strided, plain), caches):
+            m.run(ids, cache=c, rows=[0, 1])
+        out = strided.run(nxt, cache=caches[0], rows=[0, 1]).logits
+        assert (out - plain.run(nxt, cache=caches[1], rows=[0, 1]).logits).abs().max() < 1e-5
     assert calls[0] == 0
     odd = LlamaModel(PRESETS["tiny"]).eval()  # head size 16: applies
     assert prepare_inference(odd, decode=True)["layers"] == 1

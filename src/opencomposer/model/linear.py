@@ -201,7 +201,7 @@ def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None =
     `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights; with
     `decode`, their products of at most 8 rows run on the decode kernel, built here (not in the
     first decode step) where it is not built yet, packing for at most 8 rows is skipped, and a model
-    with `fused_decode` runs its decode steps of at most 8 rows one C++ call a layer
+    with `fused_decode` runs its decode steps of 1-32 rows one C++ call a layer
     (`kernels/decode_layer.py`; "layers" counts such models). Calling
     it again replaces the previous set-up (fuse=False, pack=None, decode=False: the plain model).
     Returns how many modules got each ("decode": 0 where the kernel is unavailable, for the reason

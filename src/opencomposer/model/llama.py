@@ -134,8 +134,10 @@ class LlamaModel(CausalLM):
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         pos, mask, r = self._positions(input_ids, cache, rows, segments)
-        if self.fused_decode and cache is not None and decode_layer.applies(x, self.config.head_dim):
-            x = self._decode_fused(x, pos, cache, r)
+        fused = self.fused_decode and cache is not None and decode_layer.applies(x, self.config.head_dim)
+        ws = self._decode_weights() if fused else None
+        if ws is not None:
+            x = self._decode_fused(x, pos, cache, r, ws)
         else:
             rope = Rotary(*rope_tables(self.config.head_dim, self.config.rope_theta, pos, x.dtype))
             for layer in self.layers:
@@ -145,7 +147,21 @@ class LlamaModel(CausalLM):
         h = self.norm(x)
         return ForwardOut(logits=self._head(h, logits), hidden=h)
 
-    def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+    def _decode_weights(self) -> list[list[torch.Tensor]] | None:
+        """Each layer's weights in the fused op's order, or None where one is not a contiguous
+        float32 tensor (the op reads them as such; the eager layers take any)."""
+        out = []
+        for blk in self.layers:
+            a, m = blk.self_attn, blk.mlp
+            ws = [blk.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                  blk.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+            if not all(w.dtype == torch.float32 and w.is_contiguous() for w in ws):
+                return None
+            out.append(ws)
+        return out
+
+    def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
+                      weights: list[list[torch.Tensor]]) -> torch.Tensor:
         """The layers of a decode step, one C++ call each (`kernels/decode_layer.py`), in place on x."""
         cfg = self.config
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, pos, x.dtype)
@@ -155,10 +171,7 @@ class LlamaModel(CausalLM):
         starts, src, prefix = cache.decode_rows(rows, cfg.num_key_value_heads, cfg.head_dim, x.dtype)
         h = x.view(x.shape[0], x.shape[2])
         op = decode_layer.op()
-        for i, blk in enumerate(self.layers):
-            a, m = blk.self_attn, blk.mlp
-            ws = [blk.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-                  blk.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+        for i, ws in enumerate(weights):
             ks, vs = cache.storage(i)
             op(h, ws, ks, vs, rows, starts, src, prefix, cos, sin, cfg.rms_norm_eps, cfg.num_attention_heads,
                cfg.num_key_value_heads)
