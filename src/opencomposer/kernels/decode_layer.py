@@ -1,6 +1,7 @@
 """One decoder layer of the dense family (`model/llama.py`) for a decode step, as one C++ call: the
 norms, the q/k/v, output and MLP products (on `decode_products`' kernel), RoPE, the cache write,
-attention over each row's cached keys and SwiGLU, for 1-8 rows of one new token each, float32.
+attention over each row's cached keys and SwiGLU, for 1-32 rows of one new token each, float32
+(past 8 rows the products take them in groups of 8).
 
 Why: in eager mode a batch-8 decode step of SmolLM2-135M made ~130 torch calls a layer (norms,
 RoPE, the cache write, attention, views), each a few microseconds of dispatch and Python. Profiled
@@ -8,10 +9,11 @@ on the AVX-512 Xeon (2 cores, 2026-12-05): the products took ~38 of a ~70 ms ste
 most of the rest (docs/inference.md). Here a layer is one call; what a step still does in Python is
 the embedding, the rotary tables, the final norm and the head.
 
-Numerics: the same steps in float32 as the eager layer, in a different order of summation (the norm's
-mean, the attention's dot products and softmax sum), and `exp` from a polynomial (Cephes' expf,
-~2 ulp) where torch uses its own vectorised one; so logits differ from the eager path's by float32
-rounding, well inside the train/serve bound of 1e-4 that the conformance tests assert
+Numerics: the same steps in float32 as the eager layer, in a different order of summation (the
+norm's mean, the attention's dot products and softmax sum), and `exp` from a polynomial (Cephes'
+expf, as in avx_mathfun; its own error was not measured here) where torch uses its own vectorised
+one; so logits differ from the eager path's by float32 rounding, well inside the train/serve bound
+of 1e-4 that the conformance tests assert
 (`tests/unit/test_decode_layer.py` compares both paths). Each row's attention reads only its own
 keys (its slot, or for positions inside a shared prefix the slot that prefix was read from: the
 same bytes, read once for all rows that share it while it sits in cache), so a row's output does
@@ -19,8 +21,8 @@ not depend on the other rows in the batch.
 
 It runs where `prepare_inference(decode=True)` enabled it, the decode-products kernel was built (the
 layer is compiled into the same extension), the step decodes one token per row without gradients,
-in float32 on CPU, with at most 8 rows and a head size that is a multiple of 8; everywhere else the
-eager layer runs. `OPENCOMPOSER_DECODE_LAYER=off` turns it off alone.
+in float32 on CPU, with at most 32 rows, a head size that is a multiple of 8 and every layer weight a
+contiguous float32 tensor; everywhere else the eager layer runs. `OPENCOMPOSER_DECODE_LAYER=off` turns it off alone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 SOURCE = r"""
 // exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial),
-// the form of avx_mathfun; relative error ~2 ulp over the clamped range.
+// the form of avx_mathfun (its error not measured here; the layer's logits are, against the eager path).
 static inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762626647949f));
   __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
