@@ -156,9 +156,9 @@ def test_every_other_forward_stays_on_the_eager_layers(models, monkeypatch):
         out = strided.run(nxt, cache=caches[0], rows=[0, 1]).logits
         assert (out - plain.run(nxt, cache=caches[1], rows=[0, 1]).logits).abs().max() < 1e-5
     assert calls[0] == 0
-    odd = LlamaModel(PRESETS["tiny"]).eval()  # head size 16: applies
-    assert prepare_inference(odd, decode=True)["layers"] == 1
-    assert prepare_inference(odd)["layers"] == 0 and not odd.fused_decode  # a plain set-up turns it off
+    tiny = LlamaModel(PRESETS["tiny"]).eval()  # head size 16: applies
+    assert prepare_inference(tiny, decode=True)["layers"] == 1
+    assert prepare_inference(tiny)["layers"] == 0 and not tiny.fused_decode  # a plain set-up turns it off
 
 
 def test_the_op_refuses_rows_outside_the_cache(models):

@@ -15,9 +15,9 @@ expf, as in avx_mathfun; its own error was not measured here) where torch uses i
 one; so logits differ from the eager path's by float32 rounding, well inside the train/serve bound
 of 1e-4 that the conformance tests assert
 (`tests/unit/test_decode_layer.py` compares both paths). Each row's attention reads only its own
-keys (its slot, or for positions inside a shared prefix the slot that prefix was read from: the
-same bytes, read once for all rows that share it while it sits in cache), so a row's output does
-not depend on the other rows in the batch.
+keys (its slot, or for positions inside a shared prefix the one slot all sharing rows read it from:
+the same bytes, so the rows read the same memory, which can stay in cache between them; how often
+it does was not measured), so a row's output does not depend on the other rows in the batch.
 
 It runs where `prepare_inference(decode=True)` enabled it, the decode-products kernel was built (the
 layer is compiled into the same extension), the step decodes one token per row without gradients,
@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from opencomposer.kernels import decode_products
 
 SOURCE = r"""
 // exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial),
@@ -225,8 +227,6 @@ def enabled() -> bool:
     own switch turns this off too: the layer runs its products)."""
     if _enabled["on"] is None:
         _enabled["on"] = os.environ.get("OPENCOMPOSER_DECODE_LAYER", "on").lower() not in ("off", "0", "false")
-    from opencomposer.kernels import decode_products
-
     return _enabled["on"] and decode_products.enabled()
 
 
@@ -239,8 +239,6 @@ def set_enabled(on: bool) -> bool:
 
 def op():
     """The compiled layer op (built with the decode-products kernel), or None where it is unavailable."""
-    from opencomposer.kernels import decode_products
-
     if decode_products.load() is None:
         return None
     return torch.ops.opencomposer_decode_layer.layer

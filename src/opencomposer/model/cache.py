@@ -176,12 +176,9 @@ class KVCache:
         for layer in range(self.num_layers):
             self._grow(max(begin) + 1, like, layer)
         src, prefix = list(slots), [0] * len(slots)
-        sh = self.shared
-        if sh is not None and sh.length > 0:
-            inside = [i for i, (s, b) in enumerate(zip(slots, begin)) if s in sh.slots and b >= sh.length]
-            if len(inside) >= 2:
-                for i in inside:
-                    src[i], prefix[i] = slots[inside[0]], sh.length
+        inside = _sharing(slots, begin, self.shared)
+        for i in inside:
+            src[i], prefix[i] = slots[inside[0]], self.shared.length
         return starts, torch.tensor(src), torch.tensor(prefix)
 
     def storage(self, layer: int) -> tuple[torch.Tensor, ...]:
@@ -247,10 +244,8 @@ class _DecodePlan:
         self.members = self.others = None
         self.prefix, self.src, self.member_runs = 0, -1, []
         # a row shares only positions it holds already (its new token is written past them)
-        inside = []
-        if shared is not None and shared.length > 0:
-            inside = [i for i, (s, b) in enumerate(zip(slots, begin)) if s in shared.slots and b >= shared.length]
-        if len(inside) >= 2:
+        inside = _sharing(slots, begin, shared)
+        if inside:
             rest = sorted(set(range(len(slots))) - set(inside))
             self.prefix, self.src = shared.length, slots[inside[0]]
             self.members = torch.tensor(inside)
@@ -259,6 +254,15 @@ class _DecodePlan:
             self.runs = _runs([slots[i] for i in rest], [lens[i] for i in rest])
         else:
             self.runs = _runs(slots, lens)
+
+
+def _sharing(slots: list[int], begin: list[int], shared: SharedPrefix | None) -> list[int]:
+    """The rows (indices) that read `shared`'s prefix together: those whose slot holds it and that
+    are past it (a row's new token is written after the prefix), when at least two are; else none."""
+    if shared is None or shared.length <= 0:
+        return []
+    inside = [i for i, (s, b) in enumerate(zip(slots, begin)) if s in shared.slots and b >= shared.length]
+    return inside if len(inside) >= 2 else []
 
 
 def _runs(slots: list[int], lens: list[int]) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
