@@ -1,7 +1,7 @@
 """One decoder layer of the dense family (`model/llama.py`) for a decode step, as one C++ call: the
 norms, the q/k/v, output and MLP products (on `decode_products`' kernel), RoPE, the cache write,
 attention over each row's cached keys and SwiGLU, for 1-32 rows of one new token each, float32
-(past 8 rows the products take them in groups of 8).
+(past 8 rows the products take them in groups of 4).
 
 Why: in eager mode a batch-8 decode step of SmolLM2-135M made ~130 torch calls a layer (norms,
 RoPE, the cache write, attention, views), each a few microseconds of dispatch and Python. Profiled

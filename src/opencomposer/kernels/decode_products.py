@@ -26,7 +26,7 @@ together (a test session and the servers it starts) build it once; in a folder o
 environment, since torch rebuilds an extension whose flags changed and the flags name the
 environment's include paths (two checkouts' venvs sharing one folder rebuilt it, ~1 min, each time
 the other had run). The same extension holds the fused decode layer (`decode_layer.py`), which calls
-the kernel from C++. The C++ op also takes more than 8 rows (groups of 8 against one L2-sized tile
+the kernel from C++. The C++ op also takes more than 8 rows (groups of 4 against one L2-sized tile
 of weight rows): `products` never sends it more, but the fused layer does, for decode steps of 9-32
 rows (tests/unit/test_decode_products.py checks that path too).
 """
@@ -97,8 +97,10 @@ static void block(const float* x, int64_t sx, const float* w, int64_t sw, float*
 template <int B>
 static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy, int64_t K,
                     int64_t n0, int64_t n1) {
-  // Up to 12 accumulators plus the loaded weight rows and an input fit AVX2's 16 registers.
-  constexpr int R = B <= 2 ? 4 : B <= 4 ? 2 : 1;
+  // Up to 12 accumulators plus the loaded weight rows and an input fit AVX2's 16 registers. At 3-4
+  // inputs, 3 weight rows: 7 loads feed 12 FMAs (at 8 inputs, 9 feed 8), which is what more than 8
+  // rows run on (below).
+  constexpr int R = B <= 2 ? 4 : B <= 4 ? 3 : 1;
   block<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
 }
 
@@ -135,14 +137,17 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   float* yp = y.data_ptr<float>();
   const int64_t sx = x.stride(0);
   // Threads split the weight rows. Within a thread, a tile of weight rows small enough to stay in
-  // L2 meets every group of 8 input rows before the next tile is read: more than 8 rows read the
-  // weights from memory once, and each output is computed exactly as with 8 or fewer.
+  // L2 meets every group of input rows before the next tile is read: more than 8 rows read the
+  // weights from memory once, in groups of 4 (fewer loads per FMA than groups of 8, and at 9-32 rows
+  // the product is bound by arithmetic, not by memory: docs/inference.md), and each output is
+  // computed exactly as with 8 or fewer (one 8-lane accumulator over k in order, whatever the group).
   const int64_t tile = std::max<int64_t>(8, (128 * 1024) / (4 * K));
+  const int64_t group = B > 8 ? 4 : 8;
   at::parallel_for(0, N, 128, [&](int64_t a, int64_t b) {
     for (int64_t t0 = a; t0 < b; t0 += tile) {
       const int64_t t1 = std::min(b, t0 + tile);
-      for (int64_t r0 = 0; r0 < B; r0 += 8) {
-        const int64_t nb = std::min<int64_t>(8, B - r0);
+      for (int64_t r0 = 0; r0 < B; r0 += group) {
+        const int64_t nb = std::min<int64_t>(group, B - r0);
         for (size_t i = 0; i + 1 < starts.size(); ++i) {
           const int64_t lo = std::max(t0, starts[i]), hi = std::min(t1, starts[i + 1]);
           if (lo < hi)
