@@ -73,8 +73,10 @@ def test_codebase_search(env):
 def test_edits(env):
     r = call(env, "search_replace", file_path="pkg/calc.py", old_string="return a - b", new_string="return a + b")
     assert r.ok and "return a + b" in r.content
-    assert call(env, "search_replace", file_path="pkg/calc.py", old_string="return a - b",
-                new_string="x").error_type == "NoMatch"
+    miss = call(env, "search_replace", file_path="pkg/calc.py", old_string="return a - b", new_string="x")
+    # where the copy left the file, for RL's copy blame (not shown to the model): "return a " occurs
+    assert miss.error_type == "NoMatch" and miss.detail == {"matched": len("return a ")}
+    assert "matched" not in miss.content
     assert call(env, "search_replace", file_path="pkg/calc.py", old_string="return", new_string="yield").error_type \
         == "NotUnique"
     assert call(env, "search_replace", file_path="pkg/calc.py", old_string="return", new_string="return  ",

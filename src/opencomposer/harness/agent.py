@@ -253,7 +253,7 @@ class Agent:
         out = []
         for tc, res in zip(calls, results):
             traj.tool_calls.append(ToolCallRecord(traj.turns, segment, tc.id, tc.name, tc.arguments, res.ok,
-                                                  res.error_type, res.duration_s, len(res.content)))
+                                                  res.error_type, res.duration_s, len(res.content), res.detail))
             self.on_event("tool_result", {"name": tc.name, "ok": res.ok, "content": res.content})
             out.append({"role": "tool", "tool_call_id": tc.id, "content": res.content})
         return out

@@ -30,6 +30,9 @@ class ToolCallRecord:
     error_type: str | None
     duration_s: float
     observation_chars: int
+    detail: dict | None = None
+    """What the tool recorded about a failure: for a `search_replace` that matched nothing,
+    `matched`, the length of the longest prefix of its `old_string` that occurs in the file."""
 
 
 @dataclass

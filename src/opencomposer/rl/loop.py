@@ -192,7 +192,7 @@ class Run:
                           + (f", among the {len(cfg.task_ids)} task ids given)" if cfg.task_ids else ")"))
         self.store_url = cfg.weight_store or str(self.out / "weights")
         self.progress = progress
-        self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer)
+        self.trainer = RLTrainer(load_model(cfg.model), cfg.objective, cfg.trainer, model_dir=cfg.model)
         self.version, self.trained = 0, set()
         self._rejections_answered = 0
         self._answered_by = -1  # the last full snapshot published to answer a refusal (`answered`)

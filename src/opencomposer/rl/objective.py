@@ -106,10 +106,20 @@ class ObjectiveConfig:
     of its own tool keeps an edit from being blamed against reads and searches, which rarely
     break and cannot fail as an edit does."""
 
+    copy_blame: float = 0.0
+    """The advantage -c given to the one sampled token that wrote the first character of a failed
+    edit's `old_string` past its longest prefix found in the file (`rl/copy_blame.py`), on top of its
+    rollout's advantage, in every group (like `call_advantage`, also in one with no outcome signal).
+    0 (the default) is Dr. GRPO as the report has it. Why it exists: copying an `old_string`
+    exactly is the skill RL carried to held-out tasks here, and the per-call term, which blames every
+    token of a failed call alike, pushed the policy from failed edits into broken calls (docs/rl.md)."""
+
     def __post_init__(self):
         _check_negative(self.negative_advantages)
         if self.call_advantage < 0.0:
             raise ValueError(f"call_advantage is {self.call_advantage}; it must be >= 0")
+        if self.copy_blame < 0.0:
+            raise ValueError(f"copy_blame is {self.copy_blame}; it must be >= 0")
         if self.baseline not in ("group_mean", "token_mean"):
             raise ValueError(f"baseline is {self.baseline!r}; it must be 'group_mean' or 'token_mean'")
         if not 0.0 <= self.failed_call_blame <= 1.0:

@@ -13,6 +13,7 @@ from pathlib import Path
 from opencomposer.evals.runner import EvalConfig, run_episode
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.harness.trajectory import Trajectory
+from opencomposer.rl.copy_blame import copy_errors
 from opencomposer.rl.rewards import RewardConfig, completion_calls, reward
 from opencomposer.rl.sequences import RLSequence, SequenceError, build_sequences
 from opencomposer.tasks.format import Task
@@ -78,6 +79,7 @@ def run_rollout(task: Task, sample: Sample, policy, pool, agent: AgentConfig, re
         verdicts = [called.get((seq.segment, ci), ("", True)) for ci in seq.completions]
         seq.failed_calls = [ci for ci, (_, ok) in zip(seq.completions, verdicts) if not ok]
         seq.calls = [tool for tool, _ in verdicts]
+        seq.copy_errors = [[ci, *e] for ci in seq.completions for e in copy_errors(traj, seq.segment, ci)]
     names = [c.name for c in traj.tool_calls]
     sample.passed, sample.reward, sample.breakdown = bool(rec["passed"]), r.total, asdict(r)
     sample.sequences, sample.turns, sample.merge_rate = seqs, traj.turns, stats.merge_rate

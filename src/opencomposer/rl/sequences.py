@@ -51,6 +51,10 @@ class RLSequence:
     as the final message); empty in records written before it existed. With `failed_calls` it is
     the per-call verdict `ObjectiveConfig.call_advantage` credits."""
 
+    copy_errors: list = field(default_factory=list)
+    """[completion, nth, old_string, matched] per `search_replace` call of these completions that
+    matched nothing (`rl/copy_blame.py`): where its copy left the file. Empty in older records."""
+
     def call_verdicts(self) -> list[tuple[int, str, bool]]:
         """(completion, tool, ran and applied) for each completion of this sequence that called a tool."""
         if len(self.calls) != len(self.completions):

@@ -61,6 +61,9 @@ class RLStageConfig:
     call_advantage: float = 0.0
     """A per-call advantage from the environment's verdict on each tool call, compared among the
     group's calls of the same tool (`ObjectiveConfig.call_advantage`); 0 is off."""
+    copy_blame: float = 0.0
+    """A negative advantage on the one token where a failed edit's copy left the file
+    (`ObjectiveConfig.copy_blame`, `rl/copy_blame.py`); 0 is off."""
     lend_threads: bool = True
     """The replica takes the trainer's threads while the trainer waits (`RLConfig.lend_threads`)."""
     skip_settled: bool = False
@@ -104,7 +107,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                               negative_advantages=cfg.negative_advantages,
                                               failed_call_credit=cfg.failed_call_credit,
                                               failed_call_blame=cfg.failed_call_blame,
-                                              call_advantage=cfg.call_advantage),
+                                              call_advantage=cfg.call_advantage, copy_blame=cfg.copy_blame),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services,
                     lend_threads=cfg.lend_threads,

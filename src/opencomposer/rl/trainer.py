@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from opencomposer.rl.copy_blame import token_copy_blame
 from opencomposer.rl.forward import SharedPromptForward, sequence_logprobs, shared_prefix
 from opencomposer.rl.objective import ObjectiveConfig, call_advantages, group_advantages, rewards_with_kl, token_loss
 from opencomposer.rl.rollout import Sample
@@ -88,10 +89,20 @@ def trained_parameters(model: torch.nn.Module, frozen: tuple[str, ...]) -> list[
 
 
 class RLTrainer:
-    def __init__(self, model: torch.nn.Module, objective: ObjectiveConfig, config: TrainerConfig):
+    def __init__(self, model: torch.nn.Module, objective: ObjectiveConfig, config: TrainerConfig,
+                 model_dir: Path | None = None):
+        """`model_dir`: the model's folder, whose tokenizer the copy blame decodes sampled ids with
+        (needed only with `objective.copy_blame` > 0)."""
         self.model = model
         self.objective = objective
         self.config = config
+        self.tokenizer = None
+        if objective.copy_blame:
+            from opencomposer.tokenizer.bpe import Tokenizer
+
+            if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
+                raise ValueError(f"copy_blame needs the model folder's tokenizer.json (model_dir: {model_dir})")
+            self.tokenizer = Tokenizer.load(Path(model_dir) / "tokenizer.json")
         self.ref = copy.deepcopy(model).eval() if objective.kl_coef > 0 else None
         if self.ref is not None:
             for p in self.ref.parameters():
@@ -126,10 +137,14 @@ class RLTrainer:
         self.opt.zero_grad(set_to_none=True)
         for group in groups:
             calls = call_terms(group, cfg.call_advantage)
+            # per rollout, per sequence: the copy blame's tokens (`rl/copy_blame.py`), a term of its own like calls'
+            copies = {si: blame for si, s in enumerate(group)
+                      if (blame := {qi: b for qi, q in enumerate(s.sequences)
+                                    if (b := token_copy_blame(q, self.tokenizer, cfg.copy_blame)) is not None})}
             unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
             if unsolved:  # skipped by the outcome term; the call term may still train it (`call_only_groups`)
                 stats["unsolved_groups_skipped"] += 1
-                if not calls:
+                if not calls and not copies:
                     continue
             refs = self._group_refs(group) if self.ref is not None else None
             kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
@@ -143,7 +158,7 @@ class RLTrainer:
                 # no outcome signal: only the per-call term (`call_advantage`) trains, where it applies
                 if zero and not unsolved:
                     stats["zero_advantage_groups"] += 1
-                if not calls:
+                if not calls and not copies:
                     continue
                 adv = [0.0] * len(group)
                 stats["call_only_groups"] = stats.get("call_only_groups", 0) + 1
@@ -151,7 +166,7 @@ class RLTrainer:
             # has a gradient of exactly 0 under every correction: its forward and backward are skipped,
             # unless the KL sits in the loss, where it still has one, or a call of it has a term of its own.
             live = [i for i, a in enumerate(adv)
-                    if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls]
+                    if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls or i in copies]
             stats["zero_advantage_rollouts"] += len(group) - len(live)
             if not live:
                 continue
@@ -177,6 +192,10 @@ class RLTrainer:
                         mass = stats.setdefault("call_mass", [0.0, 0.0])
                         mass[0] += float(per_call.clamp(min=0).sum())
                         mass[1] += float(per_call.clamp(max=0).sum())
+                    if qi in copies.get(si, {}):  # the token where each failed edit's copy left the file
+                        blame, hits = copies[si][qi]
+                        advantage = advantage.expand(len(blame)) + torch.tensor(blame)
+                        stats["copy_blamed_tokens"] = stats.get("copy_blamed_tokens", 0) + hits
                     loss, st = token_loss(logp, sampled(seq), advantage, cfg, logp_ref=ref)
                     # the advantages summed over trained tokens, rewarded and blamed apart: under the
                     # token sum (Dr. GRPO) a group's longer failures blame more tokens than its passes

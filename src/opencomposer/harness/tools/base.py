@@ -27,14 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class ToolError(Exception):
-    """A tool refused or failed; the message is what the model sees."""
+    """A tool refused or failed; the message is what the model sees. `detail`: facts about the
+    failure for the trajectory, not shown to the model (a failed edit's matched prefix)."""
 
     type = "ToolError"
 
-    def __init__(self, message: str, type_: str | None = None):
+    def __init__(self, message: str, type_: str | None = None, detail: dict | None = None):
         super().__init__(message)
         if type_:
             self.type = type_
+        self.detail = detail
 
 
 class InvalidArguments(ToolError):
@@ -89,6 +91,8 @@ class ToolResult:
     ok: bool
     error_type: str | None
     duration_s: float
+    detail: dict | None = None
+    """What the tool recorded about a failure (`ToolError.detail`), for the trajectory only."""
 
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
@@ -177,8 +181,8 @@ class ToolSet:
     def call(self, ctx: ToolContext, name: str, raw_arguments: str) -> ToolResult:
         t0 = time.perf_counter()
 
-        def fail(kind: str, message: str) -> ToolResult:
-            return ToolResult(f"Error ({kind}): {message}", False, kind, time.perf_counter() - t0)
+        def fail(kind: str, message: str, detail: dict | None = None) -> ToolResult:
+            return ToolResult(f"Error ({kind}): {message}", False, kind, time.perf_counter() - t0, detail)
 
         tool = self.tools.get(name)
         if tool is None:
@@ -191,7 +195,7 @@ class ToolSet:
             args = validate(tool.parameters, args, strict=self.config.strict)
             out = tool.run(ctx, args)
         except ToolError as e:
-            return fail(e.type, str(e))
+            return fail(e.type, str(e), e.detail)
         except ToolCallError as e:
             return fail(e.type, e.message)
         except SandboxError as e:

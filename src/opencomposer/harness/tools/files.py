@@ -102,6 +102,20 @@ def delete_file(ctx: ToolContext, a: dict) -> str:
     return f"Deleted {path}."
 
 
+def matched_prefix(old: str, text: str) -> int:
+    """The length of the longest prefix of `old` that occurs in `text`: where a copy that matched
+    nothing departs from the file (RL's copy blame, `rl/copy_blame.py`). Occurring is monotone in the
+    prefix's length, so a binary search: about log2(len(old)) substring searches."""
+    lo, hi = 0, len(old)  # old[:lo] occurs; old[:hi + 1] is past the end or does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if old[:mid] in text:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def search_replace(ctx: ToolContext, a: dict) -> str:
     path, old, new = a["file_path"], a["old_string"], a["new_string"]
     if old == new:
@@ -118,7 +132,7 @@ def search_replace(ctx: ToolContext, a: dict) -> str:
     if count == 0:
         hint = " (it matches if whitespace is ignored: copy the exact indentation)" \
             if " ".join(old.split()) in " ".join(text.split()) else ""
-        raise ToolError(f"old_string not found in {path}{hint}", "NoMatch")
+        raise ToolError(f"old_string not found in {path}{hint}", "NoMatch", {"matched": matched_prefix(old, text)})
     if count > 1 and not a.get("replace_all"):
         raise ToolError(f"old_string occurs {count} times in {path}; include more surrounding context to make it "
                         "unique, or set replace_all=true", "NotUnique")
