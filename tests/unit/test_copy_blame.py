@@ -138,3 +138,40 @@ def test_copy_errors_read_the_trajectory_and_the_trainer_blames_one_token(tok, t
     assert float(after[3e-3][t] - after[0.0][t]) < -0.05  # the blamed token fell
     others = [i for i in range(seq.trained_tokens) if i != t]
     assert float((after[3e-3][others] - after[0.0][others]).abs().mean()) < abs(float(after[3e-3][t] - after[0.0][t]))
+
+
+def test_a_group_the_outcome_skips_runs_no_reference_forward_for_a_kl_in_the_reward(tok, tmp_path):
+    """With the KL in the reward, a group that passed nothing (trained here on the copy blame alone)
+    has no reward to take it from: the reference model's forward is skipped; a group that passed runs it."""
+    from opencomposer.model.llama import LlamaConfig, LlamaModel
+    from opencomposer.rl.objective import ObjectiveConfig
+    from opencomposer.rl.rollout import Sample
+    from opencomposer.rl.sequences import RLSequence
+    from opencomposer.rl.trainer import RLTrainer, TrainerConfig
+
+    old, matched = "zzz", 0
+    ids = tok.encode(completion([{"file_path": "a.py", "old_string": old, "new_string": "y"}]))
+    prompt = tok.encode("<|im_start|>user\nfix it<|im_end|>\n")
+
+    def group(passed: bool):
+        return [Sample(id=f"s{i}", group=0, index=i, task="t", reward=float(passed and i == 0), passed=passed and i == 0,
+                       sequences=[RLSequence(ids=prompt + ids, loss_mask=[0] * len(prompt) + [1] * len(ids),
+                                             logprobs=[-1.0] * (len(prompt) + len(ids)),
+                                             versions=[0] * (len(prompt) + len(ids)), completions=[0],
+                                             completion_tokens=[len(ids)], copy_errors=[[0, 0, old, matched]],
+                                             sampling={"temperature": 1.0})], trained_tokens=len(ids))
+                for i in range(4)]
+
+    tok.save(tmp_path / "tokenizer.json")
+    torch.manual_seed(0)
+    m = LlamaModel(LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    cfg = ObjectiveConfig(group_size=4, kl_coef=0.01, unsolved_groups="skip", copy_blame=1.0)
+    trainer = RLTrainer(m, cfg, TrainerConfig(lr=1e-3, share_prompt=False), model_dir=tmp_path)
+    forwards = []
+    real = trainer._group_refs
+    trainer._group_refs = lambda g: forwards.append(len(g)) or real(g)
+    stats = trainer.step([group(False)])
+    assert stats["copy_blamed_tokens"] == 4 and stats["updated"] and forwards == []
+    trainer.step([group(True)])
+    assert forwards == [4]

@@ -567,7 +567,7 @@ class Run:
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
                "unsolved_groups_skipped": st["unsolved_groups_skipped"],
                "zero_advantage_rollouts": st["zero_advantage_rollouts"], "trained_tokens": st["trained_tokens"],
-               "scaled_tokens": st.get("scaled_tokens", 0), "call_only_groups": st.get("call_only_groups", 0),
+               **{k: st.get(k, 0) for k in ("scaled_tokens", "call_only_groups", "copy_blamed_tokens")},
                "call_mass": [round(x, 3) for x in st.get("call_mass", [0.0, 0.0])],
                "advantage_mass": [round(x, 3) for x in st["advantage_mass"]],
                "tokens_per_rollout": sum(s.trained_tokens for s in samples) / len(samples),

@@ -146,7 +146,9 @@ class RLTrainer:
                 stats["unsolved_groups_skipped"] += 1
                 if not calls and not copies:
                     continue
-            refs = self._group_refs(group) if self.ref is not None else None
+            # a group the outcome skips trains no reward, so a KL in the reward has nothing to act on there
+            refs = self._group_refs(group) if self.ref is not None and not (unsolved and cfg.kl_place == "reward") \
+                else None
             kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
                        for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
             stats["kl"] += sum(kl_sums)
