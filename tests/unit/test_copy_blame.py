@@ -93,7 +93,7 @@ def test_copy_errors_read_the_trajectory_and_the_trainer_blames_one_token(tok, t
         "tool_calls": [{"segment": 0, "id": "g", "error_type": None},
                        {"segment": 0, "id": "c0", "error_type": None},
                        {"segment": 0, "id": "c1", "error_type": "NoMatch", "detail": {"matched": matched}}]}
-    assert copy_errors(traj, 0, 0) == [] and copy_errors(traj, 0, 1) == [[1, old, matched]]
+    assert copy_errors(traj) == {(0, 1): [[1, old, matched]]}
 
     first, second = tok.encode("I will grep.<|im_end|>"), tok.encode(completion(calls))
     prompt = tok.encode("<|im_start|>user\nfix it<|im_end|>\n")
@@ -103,7 +103,7 @@ def test_copy_errors_read_the_trajectory_and_the_trainer_blames_one_token(tok, t
                      logprobs=[-1.0] * (len(prompt) + len(first) + len(gap) + len(second)),
                      versions=[0] * (len(prompt) + len(first) + len(gap) + len(second)),
                      completions=[0, 1], completion_tokens=[len(first), len(second)],
-                     copy_errors=[[1, *e] for e in copy_errors(traj, 0, 1)], sampling={"temperature": 1.0})
+                     copy_errors=[[1, *e] for e in copy_errors(traj)[(0, 1)]], sampling={"temperature": 1.0})
     blame, hits = token_copy_blame(seq, tok, 2.0)
     t = len(first) + blame_token(tok, second, 1, old, matched)
     assert hits == 1 and blame[t] == -2.0 and sum(blame) == -2.0 and len(blame) == seq.trained_tokens

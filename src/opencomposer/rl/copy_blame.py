@@ -27,27 +27,29 @@ from opencomposer.rl.rewards import _get
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"'}
 
 
-def copy_errors(traj, segment: int, completion: int) -> list[list]:
-    """[[nth, old_string, matched], ...] for each `search_replace` call of one completion that matched
-    nothing and recorded where its copy left the file; nth counts the completion's calls whose
-    arguments carry an `old_string`, in order (the occurrences of the key in the sampled text)."""
-    comps = (_get(traj, "segments", []) or [])[segment]
-    comp = (_get(comps, "completions", []) or [])[completion]
-    records = {_get(t, "id"): t for t in _get(traj, "tool_calls", []) or [] if _get(t, "segment", 0) == segment}
-    out, nth = [], 0
-    for tc in _get(comp, "tool_calls", []) or []:
-        try:
-            args = json.loads(_get(tc, "arguments") or "")
-        except (json.JSONDecodeError, TypeError):
-            continue
-        if not isinstance(args, dict) or not isinstance(args.get("old_string"), str):
-            continue
-        rec = records.get(_get(tc, "id"))
-        detail = _get(rec, "detail") if rec is not None else None
-        if rec is not None and _get(rec, "error_type") == "NoMatch" and isinstance(detail, dict) \
-                and isinstance(detail.get("matched"), int):
-            out.append([nth, args["old_string"], detail["matched"]])
-        nth += 1
+def copy_errors(traj) -> dict[tuple[int, int], list[list]]:
+    """(segment, completion) -> [[nth, old_string, matched], ...] for each `search_replace` call of
+    that completion that matched nothing and recorded where its copy left the file; nth counts the
+    completion's calls whose arguments carry an `old_string`, in order (the occurrences of the key
+    in the sampled text). Matched to the executed calls by tool-call id, as `rewards.completion_calls`."""
+    records = {(_get(t, "segment", 0), _get(t, "id")): t for t in _get(traj, "tool_calls", []) or []}
+    out: dict[tuple[int, int], list[list]] = {}
+    for si, seg in enumerate(_get(traj, "segments", []) or []):
+        for ci, comp in enumerate(_get(seg, "completions", []) or []):
+            nth = 0
+            for tc in _get(comp, "tool_calls", []) or []:
+                try:
+                    args = json.loads(_get(tc, "arguments") or "")
+                except (json.JSONDecodeError, TypeError):
+                    continue
+                if not isinstance(args, dict) or not isinstance(args.get("old_string"), str):
+                    continue
+                rec = records.get((si, _get(tc, "id")))
+                detail = _get(rec, "detail") if rec is not None else None
+                if rec is not None and _get(rec, "error_type") == "NoMatch" and isinstance(detail, dict) \
+                        and isinstance(detail.get("matched"), int):
+                    out.setdefault((si, ci), []).append([nth, args["old_string"], detail["matched"]])
+                nth += 1
     return out
 
 

@@ -75,11 +75,12 @@ def run_rollout(task: Task, sample: Sample, policy, pool, agent: AgentConfig, re
                       "tools": round(traj.tool_seconds, 3), "grade": round(rec.get("grade_seconds", 0.0), 3)}
     r = reward(traj, rec["passed"], rewards)
     called = completion_calls(traj)  # (segment, completion) -> (tool, ok)
+    copies = copy_errors(traj)  # (segment, completion) -> where its failed edits' copies left the file
     for seq in seqs:
         verdicts = [called.get((seq.segment, ci), ("", True)) for ci in seq.completions]
         seq.failed_calls = [ci for ci, (_, ok) in zip(seq.completions, verdicts) if not ok]
         seq.calls = [tool for tool, _ in verdicts]
-        seq.copy_errors = [[ci, *e] for ci in seq.completions for e in copy_errors(traj, seq.segment, ci)]
+        seq.copy_errors = [[ci, *e] for ci in seq.completions for e in copies.get((seq.segment, ci), [])]
     names = [c.name for c in traj.tool_calls]
     sample.passed, sample.reward, sample.breakdown = bool(rec["passed"]), r.total, asdict(r)
     sample.sequences, sample.turns, sample.merge_rate = seqs, traj.turns, stats.merge_rate

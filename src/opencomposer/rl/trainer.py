@@ -142,7 +142,7 @@ class RLTrainer:
                       if (blame := {qi: b for qi, q in enumerate(s.sequences)
                                     if (b := token_copy_blame(q, self.tokenizer, cfg.copy_blame)) is not None})}
             unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
-            if unsolved:  # skipped by the outcome term; the call term may still train it (`call_only_groups`)
+            if unsolved:  # skipped by the outcome; the call term or copy blame may still train it (`call_only_groups`)
                 stats["unsolved_groups_skipped"] += 1
                 if not calls and not copies:
                     continue
@@ -157,7 +157,7 @@ class RLTrainer:
                                          tokens=[s.trained_tokens for s in group]
                                          if cfg.baseline == "token_mean" else None)
             if unsolved or zero:
-                # no outcome signal: only the per-call term (`call_advantage`) trains, where it applies
+                # no outcome signal: only the per-call terms (`call_advantage`, `copy_blame`) train, where they apply
                 if zero and not unsolved:
                     stats["zero_advantage_groups"] += 1
                 if not calls and not copies:
@@ -166,7 +166,7 @@ class RLTrainer:
                 stats["call_only_groups"] = stats.get("call_only_groups", 0) + 1
             # A rollout at advantage 0 (every one below the mean under `negative_advantages = 0`)
             # has a gradient of exactly 0 under every correction: its forward and backward are skipped,
-            # unless the KL sits in the loss, where it still has one, or a call of it has a term of its own.
+            # unless the KL sits in the loss, where it still has one, or a call or copy of it has a term of its own.
             live = [i for i, a in enumerate(adv)
                     if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls or i in copies]
             stats["zero_advantage_rollouts"] += len(group) - len(live)
