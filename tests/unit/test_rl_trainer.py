@@ -278,3 +278,41 @@ def test_failed_calls_left_out_of_the_outcome_either_way():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
     with pytest.raises(ValueError, match="failed_call_blame"):
         ObjectiveConfig(failed_call_blame=1.5)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.01])
+def test_bf16_runs_the_blocks_products_in_bfloat16_and_steps_near_float32(kl_coef):
+    """`TrainerConfig.bf16`: the training forward's products (shared prompt, suffixes, their
+    checkpointed recompute, the reference model's) run in bfloat16, the weights stay float32, and the
+    step's update points where float32's does without being it (so autocast really ran)."""
+    def run(bf16: bool):
+        torch.manual_seed(0)
+        model = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        before = copy.deepcopy(model.state_dict())
+        seen = []
+        model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        trainer = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=kl_coef),
+                            TrainerConfig(lr=1e-3, bf16=bf16, checkpoint_tokens=8))
+        stats = trainer.step([samples(200)])
+        assert stats["updated"] and stats["bf16"] is bf16
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        delta = torch.cat([(v - before[k]).flatten() for k, v in model.state_dict().items()])
+        return delta, set(seen)
+
+    d32, seen32 = run(False)
+    d16, seen16 = run(True)
+    assert seen32 == {torch.float32} and seen16 == {torch.bfloat16}
+    assert not torch.equal(d16, d32)
+    assert float(torch.nn.functional.cosine_similarity(d16, d32, dim=0)) > 0.9
+
+
+def test_bf16_auto_follows_the_cpu(monkeypatch):
+    from opencomposer.core import machine
+
+    for native in (True, False):
+        monkeypatch.setattr(machine, "native_bf16", lambda native=native: native)
+        assert machine.resolve_bf16("auto") is native
+    assert machine.resolve_bf16(True) is True and machine.resolve_bf16(False) is False
+    with pytest.raises(ValueError, match="auto"):
+        machine.resolve_bf16("yes")

@@ -64,6 +64,9 @@ class RLStageConfig:
     copy_blame: float = 0.0
     """A negative advantage on the one token where a failed edit's copy left the file
     (`ObjectiveConfig.copy_blame`, `rl/copy_blame.py`); 0 is off."""
+    bf16: bool | Literal["auto"] = False
+    """The trainer's forwards under bf16 autocast (`TrainerConfig.bf16`; "auto": where the CPU
+    multiplies bf16 in hardware). Faster steps; its logprobs then differ from the float32 sampler's."""
     lend_threads: bool = True
     """The replica takes the trainer's threads while the trainer waits (`RLConfig.lend_threads`)."""
     skip_settled: bool = False
@@ -100,7 +103,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
                     max_turns=agent.max_turns, rollout_timeout_s=agent.episode_timeout_s, tools=agent.tools,
-                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr, frozen=cfg.frozen),
+                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr, frozen=cfg.frozen, bf16=cfg.bf16),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
                                               baseline=cfg.baseline,

@@ -150,6 +150,8 @@ def environment() -> dict:
 
     import torch
 
+    from opencomposer.core.machine import native_bf16
+
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                                 cwd=Path(__file__).parent).stdout.strip() or None
@@ -158,7 +160,7 @@ def environment() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "opencomposer_commit": commit, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            "cpu_bf16": native_bf16(), "opencomposer_commit": commit, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def finished_stages(run_dir: RunDir) -> set[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from opencomposer.core.metrics import MetricsWriter
 from opencomposer.core.rundir import RunDir
@@ -41,10 +42,12 @@ class SFTStageConfig:
     batch_size: int = 1
     """Demonstrations a step; more than one computes the prompt they share once (`train/shared_prefix.py`)."""
     lr: float = 1e-5
-    bf16: bool = False
+    bf16: bool | Literal["auto"] = False
     """Products and attention under CPU bf16 autocast (`OptimConfig.bf16`; weights, optimiser and
-    loss stay float32). Fast where the CPU computes bf16 products natively (this machine's AVX-512
-    BF16: `benchmarks/train.py`). SFT has no train/serve contract to keep; RL's trainer stays float32."""
+    loss stay float32). "auto": where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX;
+    `core.machine.native_bf16`): a 2,304-token step took 12.6 s against 21.4 s in float32 on an AMD
+    EPYC with AVX-512 BF16, while on an AVX2-only CPU bf16 products are ~4x slower than float32
+    (docs/train.md). The summary records what ran. SFT has no train/serve contract to keep."""
 
 
 def _base_evals(folder: Path, cfg: CPTStageConfig) -> dict:
@@ -87,15 +90,17 @@ def run_cpt(cfg: CPTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: 
 def run_sft(cfg: SFTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: Path, data: list[Path],
             progress=None) -> dict:
     """SFT of `base` on the trajectories in `data` (the speedrun passes demonstrations of the train split)."""
+    from opencomposer.core.machine import resolve_bf16
     from opencomposer.train import sft
     from opencomposer.train.trainer import OptimConfig, PhaseConfig
 
+    bf16 = resolve_bf16(cfg.bf16)
     scfg = sft.SFTConfig(model=str(base), data=tuple(map(str, data)),
                          phases=(PhaseConfig(name="sft", steps=cfg.steps, seq_len=cfg.seq_len, lr=cfg.lr, warmup=1,
                                              schedule="constant"),),
-                         optim=OptimConfig(batch_size=cfg.batch_size, bf16=cfg.bf16, ckpt_every=10**6,
+                         optim=OptimConfig(batch_size=cfg.batch_size, bf16=bf16, ckpt_every=10**6,
                                            checkpoint_at_end=False))
-    summary = sft.run(scfg, run_dir=RunDir.open(run_dir.stage("sft")), progress=progress)
+    summary = {**sft.run(scfg, run_dir=RunDir.open(run_dir.stage("sft")), progress=progress), "bf16": bf16}
     run_dir.write_json("sft/summary.json", summary)
     metrics.log(stage="sft", loss_before=summary["loss_before"], loss_after=summary["loss_after"])
     return summary
