@@ -561,13 +561,13 @@ class Run:
                      for k in ("episode", "policy", "tools", "grade")}
         now = time.time()
         rec = {"step": len(self.trained) // cfg.groups_per_step, "version": self.version, "updated": st["updated"],
-               "groups": [g for g, _ in groups],
-               "reward": sum(s.reward for s in samples) / len(samples),
+               "groups": [g for g, _ in groups], "reward": sum(s.reward for s in samples) / len(samples),
                "pass_rate": sum(s.passed for s in samples) / len(samples),
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
-               "unsolved_groups_skipped": st["unsolved_groups_skipped"],
-               "zero_advantage_rollouts": st["zero_advantage_rollouts"], "trained_tokens": st["trained_tokens"],
-               **{k: st.get(k, 0) for k in ("scaled_tokens", "call_only_groups", "copy_blamed_tokens")},
+               "unsolved_groups_skipped": st["unsolved_groups_skipped"], "ratio_max": st["ratio_max"],
+               "bf16": st.get("bf16", False), "zero_advantage_rollouts": st["zero_advantage_rollouts"],
+               "trained_tokens": st["trained_tokens"],
+               **{k: st.get(k, 0) for k in ("scaled_tokens", "call_only_groups", "copy_blamed_tokens", "truncated")},
                "call_mass": [round(x, 3) for x in st.get("call_mass", [0.0, 0.0])],
                "advantage_mass": [round(x, 3) for x in st["advantage_mass"]],
                "tokens_per_rollout": sum(s.trained_tokens for s in samples) / len(samples),
