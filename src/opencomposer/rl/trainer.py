@@ -156,7 +156,8 @@ class RLTrainer:
                           if (blame := {qi: b for qi, q in enumerate(s.sequences)
                                         if (b := token_copy_blame(q, self.tokenizer, cfg.copy_blame)) is not None})}
                 unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
-                if unsolved:  # skipped by the outcome; the call term or copy blame may still train it (`call_only_groups`)
+                # skipped by the outcome; the call term or copy blame may still train it (`call_only_groups`)
+                if unsolved:
                     stats["unsolved_groups_skipped"] += 1
                     if not calls and not copies:
                         continue
@@ -171,7 +172,8 @@ class RLTrainer:
                                              tokens=[s.trained_tokens for s in group]
                                              if cfg.baseline == "token_mean" else None)
                 if unsolved or zero:
-                    # no outcome signal: only the per-call terms (`call_advantage`, `copy_blame`) train, where they apply
+                    # no outcome signal: only the per-call terms (`call_advantage`, `copy_blame`) train, where
+                    # they apply
                     if zero and not unsolved:
                         stats["zero_advantage_groups"] += 1
                     if not calls and not copies:
