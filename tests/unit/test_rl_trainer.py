@@ -308,11 +308,11 @@ def test_bf16_runs_the_blocks_products_in_bfloat16_and_steps_near_float32(kl_coe
 
 
 def test_bf16_auto_follows_the_cpu(monkeypatch):
-    from opencomposer.core import machine
+    from opencomposer.kernels import bf16
 
     for native in (True, False):
-        monkeypatch.setattr(machine, "native_bf16", lambda native=native: native)
-        assert machine.resolve_bf16("auto") is native
-    assert machine.resolve_bf16(True) is True and machine.resolve_bf16(False) is False
+        monkeypatch.setattr(bf16, "native_bf16", lambda native=native: native)
+        assert bf16.resolve_bf16("auto") is native
+    assert bf16.resolve_bf16(True) is True and bf16.resolve_bf16(False) is False
     with pytest.raises(ValueError, match="auto"):
-        machine.resolve_bf16("yes")
+        bf16.resolve_bf16("yes")

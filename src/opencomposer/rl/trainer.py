@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from opencomposer.core.machine import resolve_bf16
+from opencomposer.kernels.bf16 import resolve_bf16
 from opencomposer.rl.copy_blame import token_copy_blame
 from opencomposer.rl.forward import SharedPromptForward, sequence_logprobs, shared_prefix
 from opencomposer.rl.objective import ObjectiveConfig, call_advantages, group_advantages, rewards_with_kl, token_loss
@@ -47,7 +47,7 @@ class TrainerConfig:
     bf16: bool | Literal["auto"] = False
     """The training (and reference) forward under bf16 autocast: the blocks' products in bfloat16,
     the head's logprobs, the loss, the weights and Adam in float32. "auto": where the CPU multiplies
-    bf16 in hardware (`core.machine.native_bf16`). Measured on SmolLM2-135M, a 2,000-token forward and
+    bf16 in hardware (`kernels.bf16.native_bf16`). Measured on SmolLM2-135M, a 2,000-token forward and
     backward: 13.8 s against 19.7 s in float32 (AMD EPYC, AVX-512 BF16), and the trainer's logprobs then
     differ from the float32 sampler's by 0.015 nats a token in the mean (0.10 at the 99th percentile),
     against < 1e-4 in float32 (the conformance tests): the importance ratio (`ObjectiveConfig.correction`)

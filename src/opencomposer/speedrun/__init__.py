@@ -150,7 +150,7 @@ def environment() -> dict:
 
     import torch
 
-    from opencomposer.core.machine import native_bf16
+    from opencomposer.kernels.bf16 import native_bf16
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,

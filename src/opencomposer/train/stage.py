@@ -45,7 +45,7 @@ class SFTStageConfig:
     bf16: bool | Literal["auto"] = False
     """Products and attention under CPU bf16 autocast (`OptimConfig.bf16`; weights, optimiser and
     loss stay float32). "auto": where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX;
-    `core.machine.native_bf16`): a 2,304-token step took 12.6 s against 21.4 s in float32 on an AMD
+    `kernels.bf16.native_bf16`): a 2,304-token step took 12.6 s against 21.4 s in float32 on an AMD
     EPYC with AVX-512 BF16, while on an AVX2-only CPU bf16 products are ~4x slower than float32
     (docs/train.md). The summary records what ran. SFT has no train/serve contract to keep, but in
     the one side-by-side default speedrun the bf16 model passed 8 of 36 held out against float32's
@@ -92,7 +92,7 @@ def run_cpt(cfg: CPTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: 
 def run_sft(cfg: SFTStageConfig, run_dir: RunDir, metrics: MetricsWriter, base: Path, data: list[Path],
             progress=None) -> dict:
     """SFT of `base` on the trajectories in `data` (the speedrun passes demonstrations of the train split)."""
-    from opencomposer.core.machine import resolve_bf16
+    from opencomposer.kernels.bf16 import resolve_bf16
     from opencomposer.train import sft
     from opencomposer.train.trainer import OptimConfig, PhaseConfig
 
