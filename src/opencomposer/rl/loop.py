@@ -565,7 +565,7 @@ class Run:
                "pass_rate": sum(s.passed for s in samples) / len(samples),
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
                "unsolved_groups_skipped": st["unsolved_groups_skipped"], "ratio_max": st["ratio_max"],
-               "bf16": st.get("bf16", False), "zero_advantage_rollouts": st["zero_advantage_rollouts"],
+               "bf16": st["bf16"], "zero_advantage_rollouts": st["zero_advantage_rollouts"],
                "trained_tokens": st["trained_tokens"],
                **{k: st.get(k, 0) for k in ("scaled_tokens", "call_only_groups", "copy_blamed_tokens", "truncated")},
                "call_mass": [round(x, 3) for x in st.get("call_mass", [0.0, 0.0])],

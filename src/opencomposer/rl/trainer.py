@@ -140,9 +140,90 @@ class RLTrainer:
                 if shared is not None:
                     shared.close()
 
+    def _train_group(self, group: list[Sample], stats: dict) -> None:
+        """One group's forwards and backwards into the step's gradient, its counts into `stats`."""
+        cfg = self.objective
+        calls = call_terms(group, cfg.call_advantage)
+        # per rollout, per sequence: the copy blame's tokens (`rl/copy_blame.py`), a term of its own like calls'
+        copies = {si: blame for si, s in enumerate(group)
+                  if (blame := {qi: b for qi, q in enumerate(s.sequences)
+                                if (b := token_copy_blame(q, self.tokenizer, cfg.copy_blame)) is not None})}
+        unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
+        # skipped by the outcome; the call term or copy blame may still train it (`call_only_groups`)
+        if unsolved:
+            stats["unsolved_groups_skipped"] += 1
+            if not calls and not copies:
+                return
+        # a group the outcome skips trains no reward, so a KL in the reward has nothing to act on there
+        refs = self._group_refs(group) if self.ref is not None and not (unsolved and cfg.kl_place == "reward") \
+            else None
+        kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
+                   for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
+        stats["kl"] += sum(kl_sums)
+        adv, zero = group_advantages(rewards_with_kl([s.reward for s in group], kl_sums, cfg), cfg.group_size,
+                                     cfg.negative_advantages,
+                                     tokens=[s.trained_tokens for s in group]
+                                     if cfg.baseline == "token_mean" else None)
+        if unsolved or zero:
+            # no outcome signal: only the per-call terms (`call_advantage`, `copy_blame`) train, where
+            # they apply
+            if zero and not unsolved:
+                stats["zero_advantage_groups"] += 1
+            if not calls and not copies:
+                return
+            adv = [0.0] * len(group)
+            stats["call_only_groups"] = stats.get("call_only_groups", 0) + 1
+        # A rollout at advantage 0 (every one below the mean under `negative_advantages = 0`)
+        # has a gradient of exactly 0 under every correction: its forward and backward are skipped,
+        # unless the KL sits in the loss, where it still has one, or a call or copy of it has a term of its own.
+        live = [i for i, a in enumerate(adv)
+                if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls or i in copies]
+        stats["zero_advantage_rollouts"] += len(group) - len(live)
+        if not live:
+            return
+        shared = self._shared(self.model, [group[i] for i in live], grad=True)
+        for si in live:
+            s, a = group[si], adv[si]
+            for qi, seq in enumerate(s.sequences):
+                logp = (shared.logprobs(seq) if shared is not None and qi == 0
+                        else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
+                ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
+                scale = cfg.failed_call_credit if a > 0 else cfg.failed_call_blame
+                factors = seq.token_factors(scale) if a != 0 else None
+                if factors is not None:  # failed calls: less (or no) share of the rollout's advantage
+                    advantage = a * torch.tensor(factors)
+                    stats["scaled_tokens"] = stats.get("scaled_tokens", 0) + sum(f != 1.0 for f in factors)
+                else:
+                    advantage = torch.tensor(a)
+                per_call = seq.token_call_advantages(
+                    {ci: c for (g, ci), c in calls.get(si, {}).items() if g == seq.segment})
+                if per_call is not None:  # each tool call's own verdict, on its own tokens
+                    per_call = torch.tensor(per_call)
+                    advantage = advantage.expand_as(per_call) + per_call
+                    mass = stats.setdefault("call_mass", [0.0, 0.0])
+                    mass[0] += float(per_call.clamp(min=0).sum())
+                    mass[1] += float(per_call.clamp(max=0).sum())
+                if qi in copies.get(si, {}):  # the token where each failed edit's copy left the file
+                    blame, hits = copies[si][qi]
+                    advantage = advantage.expand(len(blame)) + torch.tensor(blame)
+                    stats["copy_blamed_tokens"] = stats.get("copy_blamed_tokens", 0) + hits
+                loss, st = token_loss(logp, sampled(seq), advantage, cfg, logp_ref=ref)
+                # the advantages summed over trained tokens, rewarded and blamed apart: under the
+                # token sum (Dr. GRPO) a group's longer failures blame more tokens than its passes
+                # reward (40% more at f9c8ead's default run, docs/rl.md)
+                mass = float(advantage.sum()) if advantage.dim() else a * st["tokens"]
+                stats["advantage_mass"][0 if mass >= 0 else 1] += mass
+                loss.backward()
+                stats["loss"] += float(loss.detach())
+                stats["trained_tokens"] += st["tokens"]
+                stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
+                stats["truncated"] += st.get("truncated", 0)
+        if shared is not None:
+            shared.backward()  # the prompt's backward once, with every rollout's gradient
+            stats["shared_prompt_tokens"] = stats.get("shared_prompt_tokens", 0) + shared.length
+
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
-        cfg = self.objective
         stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0,
                  "zero_advantage_rollouts": 0, "trained_tokens": 0, "advantage_mass": [0.0, 0.0],
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0, "bf16": self.bf16}
@@ -150,84 +231,7 @@ class RLTrainer:
         # bf16 autocast (`TrainerConfig.bf16`): the blocks' products; the head and the loss stay float32
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
             for group in groups:
-                calls = call_terms(group, cfg.call_advantage)
-                # per rollout, per sequence: the copy blame's tokens (`rl/copy_blame.py`), a term of its own like calls'
-                copies = {si: blame for si, s in enumerate(group)
-                          if (blame := {qi: b for qi, q in enumerate(s.sequences)
-                                        if (b := token_copy_blame(q, self.tokenizer, cfg.copy_blame)) is not None})}
-                unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
-                # skipped by the outcome; the call term or copy blame may still train it (`call_only_groups`)
-                if unsolved:
-                    stats["unsolved_groups_skipped"] += 1
-                    if not calls and not copies:
-                        continue
-                # a group the outcome skips trains no reward, so a KL in the reward has nothing to act on there
-                refs = self._group_refs(group) if self.ref is not None and not (unsolved and cfg.kl_place == "reward") \
-                    else None
-                kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
-                           for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
-                stats["kl"] += sum(kl_sums)
-                adv, zero = group_advantages(rewards_with_kl([s.reward for s in group], kl_sums, cfg), cfg.group_size,
-                                             cfg.negative_advantages,
-                                             tokens=[s.trained_tokens for s in group]
-                                             if cfg.baseline == "token_mean" else None)
-                if unsolved or zero:
-                    # no outcome signal: only the per-call terms (`call_advantage`, `copy_blame`) train, where
-                    # they apply
-                    if zero and not unsolved:
-                        stats["zero_advantage_groups"] += 1
-                    if not calls and not copies:
-                        continue
-                    adv = [0.0] * len(group)
-                    stats["call_only_groups"] = stats.get("call_only_groups", 0) + 1
-                # A rollout at advantage 0 (every one below the mean under `negative_advantages = 0`)
-                # has a gradient of exactly 0 under every correction: its forward and backward are skipped,
-                # unless the KL sits in the loss, where it still has one, or a call or copy of it has a term of its own.
-                live = [i for i, a in enumerate(adv)
-                        if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls or i in copies]
-                stats["zero_advantage_rollouts"] += len(group) - len(live)
-                if not live:
-                    continue
-                shared = self._shared(self.model, [group[i] for i in live], grad=True)
-                for si in live:
-                    s, a = group[si], adv[si]
-                    for qi, seq in enumerate(s.sequences):
-                        logp = (shared.logprobs(seq) if shared is not None and qi == 0
-                                else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
-                        ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
-                        scale = cfg.failed_call_credit if a > 0 else cfg.failed_call_blame
-                        factors = seq.token_factors(scale) if a != 0 else None
-                        if factors is not None:  # failed calls: less (or no) share of the rollout's advantage
-                            advantage = a * torch.tensor(factors)
-                            stats["scaled_tokens"] = stats.get("scaled_tokens", 0) + sum(f != 1.0 for f in factors)
-                        else:
-                            advantage = torch.tensor(a)
-                        per_call = seq.token_call_advantages(
-                            {ci: c for (g, ci), c in calls.get(si, {}).items() if g == seq.segment})
-                        if per_call is not None:  # each tool call's own verdict, on its own tokens
-                            per_call = torch.tensor(per_call)
-                            advantage = advantage.expand_as(per_call) + per_call
-                            mass = stats.setdefault("call_mass", [0.0, 0.0])
-                            mass[0] += float(per_call.clamp(min=0).sum())
-                            mass[1] += float(per_call.clamp(max=0).sum())
-                        if qi in copies.get(si, {}):  # the token where each failed edit's copy left the file
-                            blame, hits = copies[si][qi]
-                            advantage = advantage.expand(len(blame)) + torch.tensor(blame)
-                            stats["copy_blamed_tokens"] = stats.get("copy_blamed_tokens", 0) + hits
-                        loss, st = token_loss(logp, sampled(seq), advantage, cfg, logp_ref=ref)
-                        # the advantages summed over trained tokens, rewarded and blamed apart: under the
-                        # token sum (Dr. GRPO) a group's longer failures blame more tokens than its passes
-                        # reward (40% more at f9c8ead's default run, docs/rl.md)
-                        mass = float(advantage.sum()) if advantage.dim() else a * st["tokens"]
-                        stats["advantage_mass"][0 if mass >= 0 else 1] += mass
-                        loss.backward()
-                        stats["loss"] += float(loss.detach())
-                        stats["trained_tokens"] += st["tokens"]
-                        stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
-                        stats["truncated"] += st.get("truncated", 0)
-                if shared is not None:
-                    shared.backward()  # the prompt's backward once, with every rollout's gradient
-                    stats["shared_prompt_tokens"] = stats.get("shared_prompt_tokens", 0) + shared.length
+                self._train_group(group, stats)
         grads = [p for p in self.model.parameters() if p.grad is not None]
         stats["updated"] = bool(grads)  # no gradient, no Adam step: the weights are what they were
         if grads:
