@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -52,9 +51,9 @@ def cmd_model_import_default(ns: argparse.Namespace, extra: list[str]) -> int:
 def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
     import dataclasses
     import os
-    import signal
 
     from opencomposer.core.config import load_config
+    from opencomposer.core.shutdown import wait_for_stop
     from opencomposer.inference.server import ServeConfig, exit_after, make_server
     from opencomposer.model.errors import ModelLoadError
     from opencomposer.tokenizer.bpe import TokenizerError
@@ -76,22 +75,11 @@ def cmd_serve(ns: argparse.Namespace, extra: list[str]) -> int:
         return 2
     print(f"serving {server.name} at {server.url} (admin endpoint {'on' if cfg.admin_token else 'off'})",
           file=sys.stderr, flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # The process that started this server, when it asked to be followed (rl/services.py sets it):
     # a replica ends when that process dies, even where its PR_SET_PDEATHSIG did not act.
     parent = int(os.environ.get("OPENCOMPOSER_PARENT_PID", "0") or 0)
-    try:
-        # A timed wait, not stop.wait(): CPython runs a signal handler in the main thread only, and
-        # a SIGTERM the kernel hands to another thread (uvicorn's, the engine's) does not wake a
-        # main thread blocked in an untimed lock wait, so the handler would never run. Seen: a
-        # replica that outlived its SIGKILLed driver by 120 s with no sign of shutting down.
-        while not stop.wait(0.5):
-            if parent and os.getppid() != parent:
-                print("the process that started this server is gone; stopping", file=sys.stderr, flush=True)
-                break
-    except KeyboardInterrupt:
-        pass
+    if wait_for_stop(parent) == "parent":
+        print("the process that started this server is gone; stopping", file=sys.stderr, flush=True)
     exit_after(cfg.shutdown_timeout_s, "the server's shutdown")
     server.stop()
     return 0

@@ -251,8 +251,8 @@ def _die_with_parent(parent: int) -> None:
     dies, so a driver killed with SIGKILL leaves no replica serving behind it. A parent that died
     between the fork and the prctl sends no signal: that case is checked by hand. The replica
     bounds its own shutdown (`ServeConfig.shutdown_timeout_s`), so the SIGTERM ends it. The
-    replica also watches its parent itself (`OPENCOMPOSER_PARENT_PID`, cli/models.py), since the
-    signal is tied to the thread that forked it and a handler may not run at once."""
+    replica also watches its parent itself (`OPENCOMPOSER_PARENT_PID`, core/shutdown.py), since
+    the signal is tied to the thread that forked it and a handler may not run at once."""
     try:
         import ctypes
 
