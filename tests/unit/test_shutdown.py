@@ -72,3 +72,14 @@ def test_a_parent_that_is_gone_ends_the_wait():
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": SRC})
     assert r.stdout.strip() == "parent", r.stdout + r.stderr
+
+
+def test_a_second_signal_during_the_shutdown_ends_the_process_at_once():
+    code = ("import signal, threading, time; from opencomposer.core.shutdown import wait_for_stop; "
+            "threading.Timer(0.2, signal.raise_signal, (signal.SIGTERM,)).start(); "
+            "print(wait_for_stop(poll_s=0.01), flush=True); "
+            "signal.raise_signal(signal.SIGINT); time.sleep(30); print('still running')")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": SRC})
+    assert r.returncode == 128 + 2 and r.stdout.split() == ["signal"], r.stdout + r.stderr
+    assert "a second stop signal" in r.stderr
