@@ -114,14 +114,17 @@ def test_rl_raises_the_pass_rate_against_its_lr0_control(family, tmp_path):
 
 
 def _group_alive(pgid: int) -> list[str]:
-    """Command lines of the live processes in process group `pgid`."""
+    """Command lines of the live processes in process group `pgid`, with their states."""
     out = []
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and os.getpgid(int(d.name)) == pgid:
                 stat = (d / "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+                state = stat.rsplit(")", 1)[1].split()[0]
+                if state != "Z":  # with the state and where each thread sleeps in the kernel
+                    wchan = sorted({(t / "wchan").read_text() for t in (d / "task").iterdir()})
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+                    out.append(f"{cmd} [{state}, {len(wchan)} distinct wchan: {','.join(wchan)[:200]}]")
         except (OSError, IndexError):
             continue
     return out
@@ -156,8 +159,11 @@ def test_a_killed_trainer_resumes_and_a_dead_replica_is_replaced(family, tmp_pat
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     left = _group_alive(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL) if left else None
-    assert not left, f"processes outlived the killed driver: {left}"
+    if left:  # what they were doing, for the next one who reads this failure
+        log = out / "services" / "replica.log"
+        tail = log.read_bytes()[-1500:].decode("utf-8", "replace") if log.exists() else "(no replica log)"
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"processes outlived the killed driver: {left}\nreplica log:\n{tail}")
     before = read_events(out / "events.jsonl")
     grouped_before = {e["group"] for e in before if e["kind"] == "grouped"}
     trained_before = {g for e in before if e["kind"] == "step" for g in e["groups"]}
