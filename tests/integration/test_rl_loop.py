@@ -102,12 +102,12 @@ def test_rl_raises_the_pass_rate_against_its_lr0_control(family, tmp_path):
     started = next(e for e in read_events(tmp_path / "trained" / "events.jsonl") if e["kind"] == "run_started")
     cpus = len(os.sched_getaffinity(0))
     assert started["threads"] == {"trainer": max(1, cpus // 2), "replica": max(1, cpus - max(1, cpus // 2)),
-                                  "lent": cpus >= 2}
+                                  "lent": cpus >= 2, "borrowed": cpus >= 2}
     rows = [json.loads(line) for line in (tmp_path / "trained" / "metrics.jsonl").read_text().splitlines()]
     if cpus >= 2:  # the replica held the trainer's threads while the first group rolled out (POST /admin/threads)
         assert rows[0]["lent_seconds"] > 0
     assert {"reward", "pass_rate", "kl_per_token", "staleness", "tool_calls", "zero_advantage_groups",
-            "edit_rate", "broken_calls", "ratio_max", "truncated"} <= set(rows[0])
+            "edit_rate", "broken_calls", "ratio_max", "truncated", "borrowed_seconds"} <= set(rows[0])
     # how far off-policy the trained tokens were: float32 trainer, so the trainer's ratio to the sampler
     # stays near 1 (staleness and engine batching only), and the step says it did not autocast
     assert all(r["bf16"] is False and 0 < r["ratio_max"] < 100 for r in rows if r["updated"])

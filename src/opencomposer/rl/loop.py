@@ -54,6 +54,7 @@ from opencomposer.rl.objective import ObjectiveConfig
 from opencomposer.rl.rewards import RewardConfig
 from opencomposer.rl.rollout import Sample, run_rollout
 from opencomposer.rl.services import RayReplica, Replica, ReplicaProcess, Workers, answered, evaluate, ray_shutdown
+from opencomposer.rl.threads import ThreadShare
 from opencomposer.rl.trainer import RLTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,10 @@ class RLConfig:
     engine decodes about twice as fast alone on 2 threads as on 1 beside the trainer
     (`benchmarks/rl.py --part threads`). Lent, the same six `renames-small` groups were trained
     1.14x sooner, at 1.37x fewer replica seconds per token (one pair of runs, docs/rl.md)."""
+    borrow_threads: bool = True
+    """The other way (`rl/threads.py`): during a trainer step, once no rollout is in flight, the
+    trainer computes with the replica's threads as well as its own, until the step ends. Under the
+    same conditions as `lend_threads`."""
 
 
 def thread_split(cfg: RLConfig) -> tuple[int, int]:
@@ -199,8 +204,7 @@ class Run:
         self._eval_seconds = 0.0  # held-out evaluations during the run: not counted in `minutes`
         self._last_step_time: float | None = None
         """Wall clock of the last step (this process): step_seconds is the time between steps."""
-        self._lent_seconds = 0.0  # since the last step, the replica held the trainer's threads this long
-        self._lent_since: float | None = None
+        self.threads = ThreadShare((0, 0), lend=False, borrow=False)  # `run` sets the machine's split
         ckpt = self.out / "step.pt"
         if ckpt.exists():
             self.version, trained = self.trainer.load(ckpt)
@@ -262,23 +266,14 @@ class Run:
         replica = self.replica = self._replica()
         cores = thread_split(cfg)
         cpus = usable_cpus()
-        lend = cfg.lend_threads and cfg.services == "processes" and all(cores) and sum(cores) <= cpus
+        fits = cfg.services == "processes" and all(cores) and sum(cores) <= cpus
+        lend = cfg.lend_threads and fits
+        self.threads = ThreadShare(cores, lend=lend, borrow=cfg.borrow_threads and fits)
         self.events.record("run_started", version=self.version, trained_groups=len(self.trained),
                            ready_groups=sorted(self.ready), services=cfg.services,
                            threads={"trainer": torch.get_num_threads(), "replica": replica.health().get("threads")
                                     if isinstance(replica, ReplicaProcess) else torch.get_num_threads(),
-                                    "lent": lend})
-        given: list = [None]  # (replica URL, threads) last set on it
-
-        def give(replica, n: int) -> None:  # the replica's threads, set only when they change
-            if not lend or given[0] == (replica.url, n) or not replica.set_threads(n):
-                return
-            given[0] = (replica.url, n)
-            if n > cores[1]:
-                self._lent_since = time.monotonic()
-            elif self._lent_since is not None:
-                self._lent_seconds += time.monotonic() - self._lent_since
-                self._lent_since = None
+                                    "lent": lend, "borrowed": self.threads.borrow})
         pool = SandboxPool(PoolConfig(max_concurrent=max(2, cfg.workers), max_load_per_cpu=None)) \
             if cfg.services == "threads" else None
         stop = threading.Event()
@@ -304,7 +299,7 @@ class Run:
                     replica.stop()
                     replica = self.replica = self._replica()
                     self._rejections_answered = 0
-                give(replica, cores[0] + cores[1])  # the trainer waits from here to its next step
+                self.threads.lend_to(replica)  # the trainer waits from here to its next step
                 self._policy = OpenAIPolicyConfig(base_url=replica.url, model="policy", temperature=cfg.temperature,
                                                   max_tokens=cfg.turn_tokens, timeout_s=cfg.rollout_timeout_s,
                                                   max_retries=0)
@@ -349,7 +344,7 @@ class Run:
                 if not groups:
                     continue
                 steps_done += 1
-                give(replica, cores[1])  # the trainer's cores back before it trains
+                self.threads.reclaim(replica)  # the trainer's cores back before it trains
                 summary["steps"].append(self._step(store, groups, replica))
                 self._repair(store, replica)
                 if cfg.evaluate and cfg.eval_every and steps_done % cfg.eval_every == 0 \
@@ -535,7 +530,13 @@ class Run:
         cfg = self.cfg
         t0 = time.perf_counter()
         before = self.version
-        st = self.trainer.step([s for _, s in groups])
+        # the replica's cores too once every rollout in flight has finished (`RLConfig.borrow_threads`)
+        self.trainer.between = self.threads.borrower(lambda: all(f.done() for f in self._futures))
+        try:
+            st = self.trainer.step([s for _, s in groups])
+        finally:
+            self.threads.step_ended()
+        lent_s, borrowed_s = self.threads.take_seconds()
         memory.trim()  # the step's activations, freed, back to the OS (core/memory.py)
         # A version is a change of weights: a step that trained nothing (every group skipped or at
         # advantage 0) publishes nothing and ages no sample in flight. It used to count, and in the
@@ -578,11 +579,10 @@ class Run:
                "staleness": {str(k): staleness.count(k) for k in sorted(set(staleness))},
                "train_seconds": round(t1 - t0, 3), "publish_seconds": m["seconds"], "rollout_seconds": rollout_s,
                "step_seconds": round(now - self._last_step_time, 3) if self._last_step_time else None,
-               "lent_seconds": round(self._lent_seconds, 3), "delta_bytes": m["bytes"],
+               "lent_seconds": round(lent_s, 3), "borrowed_seconds": round(borrowed_s, 3), "delta_bytes": m["bytes"],
                "full_bytes": m["raw_bytes"], "replica_version": replica.version,
                "grad_norm": st.get("grad_norm", 0.0), "loss": st["loss"], **memory.usage(), "time": now}
         self._last_step_time = now
-        self._lent_seconds = 0.0
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.events.record("step", **{k: v for k, v in rec.items() if k not in ("tool_calls", "staleness",

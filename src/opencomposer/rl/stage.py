@@ -67,8 +67,14 @@ class RLStageConfig:
     bf16: bool | Literal["auto"] = False
     """The trainer's forwards under bf16 autocast (`TrainerConfig.bf16`; "auto": where the CPU
     multiplies bf16 in hardware). Faster steps; its logprobs then differ from the float32 sampler's."""
+    checkpoint_tokens: int | None = 1024
+    """Forwards of at least this many tokens recompute their activations in the backward
+    (`TrainerConfig.checkpoint_tokens`; None: never). A group's shared prompt (~1,200 tokens with the
+    recipe's four tools) is one such forward at the default."""
     lend_threads: bool = True
     """The replica takes the trainer's threads while the trainer waits (`RLConfig.lend_threads`)."""
+    borrow_threads: bool = True
+    """The trainer takes the replica's threads while no rollout is in flight (`RLConfig.borrow_threads`)."""
     skip_settled: bool = False
     """Tasks whose earlier group all passed or all failed go behind those that split
     (`CurriculumConfig.skip_settled`, `rl/curriculum.py`)."""
@@ -103,7 +109,8 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     max_staleness=cfg.max_staleness, sync=cfg.sync, workers=cfg.workers, epochs=epochs,
                     seed=agent.seed, temperature=agent.temperature, turn_tokens=agent.turn_tokens,
                     max_turns=agent.max_turns, rollout_timeout_s=agent.episode_timeout_s, tools=agent.tools,
-                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr, frozen=cfg.frozen, bf16=cfg.bf16),
+                    slots=agent.slots, trainer=TrainerConfig(lr=cfg.lr, frozen=cfg.frozen, bf16=cfg.bf16,
+                                                                  checkpoint_tokens=cfg.checkpoint_tokens),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
                                               baseline=cfg.baseline,
@@ -113,7 +120,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                               call_advantage=cfg.call_advantage, copy_blame=cfg.copy_blame),
                     rewards=RewardConfig(effort=cfg.effort, failed_edit=cfg.failed_edit,
                                          broken_call=cfg.broken_call), services=cfg.services,
-                    lend_threads=cfg.lend_threads,
+                    lend_threads=cfg.lend_threads, borrow_threads=cfg.borrow_threads,
                     curriculum=CurriculumConfig(skip_settled=cfg.skip_settled, settle_after=cfg.group_size))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -120,6 +121,13 @@ class RLTrainer:
         self.opt = torch.optim.Adam(trained_parameters(model, config.frozen), lr=config.lr, betas=config.betas)
         self.bf16 = resolve_bf16(config.bf16)
         self.device_type = next(model.parameters()).device.type
+        self.between: Callable[[], None] | None = None
+        """Called before each forward or backward pass of a step, where torch's thread count may
+        change (the loop's `ThreadShare.borrower`, `rl/threads.py`)."""
+
+    def _between(self) -> None:
+        if self.between is not None:
+            self.between()
 
     def _shared(self, model, group: list[Sample], grad: bool) -> SharedPromptForward | None:
         """The group's first sequences share the system prompt and the task: their forward once."""
@@ -155,6 +163,7 @@ class RLTrainer:
             if not calls and not copies:
                 return
         # a group the outcome skips trains no reward, so a KL in the reward has nothing to act on there
+        self._between()
         refs = self._group_refs(group) if self.ref is not None and not (unsolved and cfg.kl_place == "reward") \
             else None
         kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
@@ -181,10 +190,12 @@ class RLTrainer:
         stats["zero_advantage_rollouts"] += len(group) - len(live)
         if not live:
             return
+        self._between()
         shared = self._shared(self.model, [group[i] for i in live], grad=True)
         for si in live:
             s, a = group[si], adv[si]
             for qi, seq in enumerate(s.sequences):
+                self._between()
                 logp = (shared.logprobs(seq) if shared is not None and qi == 0
                         else sequence_logprobs(self.model, seq, checkpoint=self.config.checkpoint_tokens))
                 ref = refs[si][qi] if (refs is not None and cfg.kl_place == "loss") else None
@@ -219,6 +230,7 @@ class RLTrainer:
                 stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
                 stats["truncated"] += st.get("truncated", 0)
         if shared is not None:
+            self._between()
             shared.backward()  # the prompt's backward once, with every rollout's gradient
             stats["shared_prompt_tokens"] = stats.get("shared_prompt_tokens", 0) + shared.length
 
