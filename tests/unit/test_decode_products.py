@@ -11,11 +11,31 @@ torch = pytest.importorskip("torch")
 from opencomposer.kernels import decode_products as dp  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def kernel():
+@pytest.fixture(scope="module", params=["wide", "avx2"])
+def kernel(request):
+    """Each test runs on both forms of the kernel: 16 lanes (where the CPU has AVX-512F) and 8."""
     if dp.load() is None:
         pytest.skip(dp.unavailable() or "kernel unavailable")
-    return dp
+    before = dp.set_wide()
+    if request.param == "wide" and not dp.set_wide(True):
+        dp.set_wide(before)
+        pytest.skip("this CPU has no AVX-512F: the 16-lane form does not run")
+    if request.param == "avx2":
+        dp.set_wide(False)
+    yield dp
+    dp.set_wide(before)
+
+
+def test_the_two_forms_agree_within_float32_rounding(kernel):
+    if not kernel.set_wide(True):
+        pytest.skip("this CPU has no AVX-512F")
+    torch.manual_seed(1)
+    ws, x = [torch.randn(96, 579)], torch.randn(8, 579)
+    wide = kernel.products(x, ws)
+    kernel.set_wide(False)
+    narrow = kernel.products(x, ws)
+    assert not kernel.set_wide() and (wide - narrow).abs().max() < 1e-3
+    assert not torch.equal(wide, narrow)  # a different order of summation: the switch did switch
 
 
 def _ref(x, ws):

@@ -36,7 +36,8 @@ class EngineConfig:
     With the decode kernel on and at most 8 slots nothing is packed: the kernel takes every decode
     product, and prefill runs as fast unpacked (`linear.prepare_inference`)."""
     decode_kernel: bool = True
-    """Products of at most 8 rows (decode steps) on the AVX2 kernel of `kernels/decode_products.py`,
+    """Products of at most 8 rows (decode steps) on the AVX2 kernel of `kernels/decode_products.py`
+    (its 16-lane form on a CPU with AVX-512F),
     which reads the weights faster than oneDNN at those sizes on this project's CPU; built on first
     use (g++ and ninja), oneDNN where it cannot be. With it, a dense model's decode steps of 1-32
     rows run one C++ call a layer (`kernels/decode_layer.py`: its products on the same kernel)."""

@@ -1,5 +1,6 @@
 """Decode-sized float32 products on an x86 CPU: `x @ cat(w_1, ..., w_n).T` for 1-8 rows of x, in a
-small AVX2 kernel compiled on first use (`torch.utils.cpp_extension`, g++ and ninja).
+small AVX2 kernel compiled on first use (`torch.utils.cpp_extension`, g++ and ninja), with a 16-lane
+form of it chosen at run time on CPUs with AVX-512F (`set_wide`).
 
 Why: a decode step multiplies a handful of rows (one per running sequence) by every weight of the
 model, so it is a stream over the weights, and its speed is how fast they are read. On this
@@ -14,9 +15,16 @@ run at 8 rows the reads and the arithmetic had taken turns instead of overlappin
 took SmolLM2's products from 44.6 to 31.8 ms; in two runs an hour later, on a machine that
 streamed a third slower, it changed nothing (docs/inference.md).
 
-Numerics: every output is one dot product accumulated over k in order in 8 float32 lanes, then
-summed across the lanes; the same bits for a row whatever else is in the batch (for 1-8 rows), and
-within float32 rounding of oneDNN's (tests/unit/test_decode_products.py).
+The 16-lane form (AVX-512F) holds up to 24 accumulators in its 32 registers: at 8 inputs 3 weight
+rows at a time (11 loads feed 24 FMAs, against 9 loads for 8 in AVX2), at 3-4 inputs 6. Over
+SmolLM2's products and head, cold, on an AMD EPYC Zen 4 (2 threads, a scratch script, 7 rounds,
+medians): 21.2 / 29.8 / 41.8 / 66.8 ms at 1 / 8 / 16 / 32 rows against AVX2's 23.4 / 35.0 / 43.7 / 67.5
+(docs/inference.md).
+
+Numerics: every output is one dot product accumulated over k in order in 8 float32 lanes (16 in
+the wide form), then summed across the lanes; the same bits for a row whatever else is in the batch
+(for 1-8 rows, and past 8 in the op), and within float32 rounding of oneDNN's
+(tests/unit/test_decode_products.py). The two forms give different bits, so a process uses one.
 
 Where it does not apply it says so with None, and the caller uses oneDNN: more than 8 rows, not
 float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is logged once), or
@@ -28,7 +36,7 @@ environment's include paths (two checkouts' venvs sharing one folder rebuilt it,
 the other had run). The same extension holds the fused decode layer (`decode_layer.py`), which calls
 the kernel from C++. The C++ op also takes more than 8 rows (groups of 4 against one L2-sized tile
 of weight rows): `products` never sends it more, but the fused layer does, for decode steps of 9-32
-rows (tests/unit/test_decode_products.py checks that path too).
+rows (tests/unit/test_decode_products.py checks that path too, in both forms).
 """
 
 from __future__ import annotations
@@ -118,6 +126,84 @@ static void chunk(int64_t B, const float* x, int64_t sx, const float* w, int64_t
   }
 }
 
+// The same products in 16 lanes, for CPUs with AVX-512 (compiled for it here, chosen at run time):
+// 32 registers hold 24 accumulators, so a block takes more weight rows per input row than AVX2's 16
+// allow (at 8 inputs, 3 weight rows: 11 loads feed 24 FMAs, against 9 for 8), and a load brings 16
+// floats. Every output is one 16-lane accumulator over k in order, then `_mm512_reduce_add_ps`:
+// the same bits for a row whatever the batch and block, but not AVX2's bits.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+template <int R, int B>
+static void block16(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
+                    int64_t K, int64_t n0, int64_t n1) {
+  const int64_t K16 = K & ~int64_t(15);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m512 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * sw + k);
+      if (B >= 4)  // as in `block`: the next R weight rows, one 64-byte line each per step
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + R + r) * sw + k), _MM_HINT_T0);
+      for (int b = 0; b < B; ++b) {
+        const __m512 xv = _mm512_loadu_ps(x + b * sx + k);
+        for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) {
+        float s = _mm512_reduce_add_ps(acc[r][b]);
+        for (int64_t k = K16; k < K; ++k) s += x[b * sx + k] * w[(n + r) * sw + k];
+        y[b * sy + n + r] = s;
+      }
+  }
+  if (R > 1 && n < n1) block16<1, B>(x, sx, w, sw, y, sy, K, n, n1);
+}
+
+template <int B>
+static void rows16_of(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy, int64_t K,
+                      int64_t n0, int64_t n1) {
+  // R x B accumulators + R weight rows + one input within 32 registers
+  constexpr int R = B <= 2 ? 8 : B <= 4 ? 6 : B <= 6 ? 4 : 3;
+  block16<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
+}
+
+static void chunk16(int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
+                    int64_t K, int64_t n0, int64_t n1) {
+  switch (B) {
+    case 1: rows16_of<1>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 2: rows16_of<2>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 3: rows16_of<3>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 4: rows16_of<4>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 5: rows16_of<5>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 6: rows16_of<6>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    case 7: rows16_of<7>(x, sx, w, sw, y, sy, K, n0, n1); break;
+    default: rows16_of<8>(x, sx, w, sw, y, sy, K, n0, n1); break;
+  }
+}
+#pragma GCC pop_options
+
+// Which kernel runs: 16 lanes where the CPU has AVX-512F (unless turned off), else 8.
+static int g_wide = -1;  // -1: not chosen yet
+static bool wide() {
+  if (g_wide < 0) {
+    __builtin_cpu_init();
+    g_wide = __builtin_cpu_supports("avx512f") ? 1 : 0;
+  }
+  return g_wide == 1;
+}
+
+// on: 1 or 0 to choose (1 only where the CPU has AVX-512F), -1 to ask; returns the choice in force.
+int64_t set_wide(int64_t on) {
+  if (on >= 0) {
+    __builtin_cpu_init();
+    g_wide = (on && __builtin_cpu_supports("avx512f")) ? 1 : 0;
+  }
+  return wide() ? 1 : 0;
+}
+
 torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>& ws) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: (B, K) float32, rows contiguous");
   const int64_t B = x.size(0), K = x.size(1);
@@ -141,7 +227,9 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   // weights from memory once, in groups of 4 (fewer loads per FMA than groups of 8, and at 9-32 rows
   // the product is bound by arithmetic, not by memory: docs/inference.md), and each output is
   // computed exactly as with 8 or fewer (one 8-lane accumulator over k in order, whatever the group).
-  const int64_t tile = std::max<int64_t>(8, (128 * 1024) / (4 * K));
+  const bool w16 = wide();
+  // a tile a multiple of 12, so blocks of 3, 4 and 6 weight rows fill it
+  const int64_t tile = std::max<int64_t>(12, (128 * 1024) / (4 * K) / 12 * 12);
   const int64_t group = B > 8 ? 4 : 8;
   at::parallel_for(0, N, 128, [&](int64_t a, int64_t b) {
     for (int64_t t0 = a; t0 < b; t0 += tile) {
@@ -151,7 +239,7 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
         for (size_t i = 0; i + 1 < starts.size(); ++i) {
           const int64_t lo = std::max(t0, starts[i]), hi = std::min(t1, starts[i + 1]);
           if (lo < hi)
-            chunk(nb, xp + r0 * sx, sx, ptrs[i], strides[i], yp + r0 * N + starts[i], N, K,
+            (w16 ? chunk16 : chunk)(nb, xp + r0 * sx, sx, ptrs[i], strides[i], yp + r0 * N + starts[i], N, K,
                   lo - starts[i], hi - starts[i]);
         }
       }
@@ -160,7 +248,10 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   return y;
 }
 
-TORCH_LIBRARY(opencomposer_decode, m) { m.def("products(Tensor x, Tensor[] ws) -> Tensor"); }
+TORCH_LIBRARY(opencomposer_decode, m) {
+  m.def("products(Tensor x, Tensor[] ws) -> Tensor");
+  m.def("set_wide(int on) -> int", &set_wide);
+}
 TORCH_LIBRARY_IMPL(opencomposer_decode, CPU, m) { m.impl("products", &products); }
 """
 
@@ -198,6 +289,15 @@ def load():
             _state["op"] = _build()
             _state["tried"] = True
     return _state["op"]
+
+
+def set_wide(on: bool | None = None) -> bool:
+    """Whether the 16-lane (AVX-512) kernel runs, after choosing it (on: only where the CPU has
+    AVX-512F) or, with None, only asking; False where the kernel is not built."""
+    op = load()
+    if op is None:
+        return False
+    return bool(torch.ops.opencomposer_decode.set_wide(-1 if on is None else int(bool(on))))
 
 
 def unavailable() -> str | None:

@@ -28,9 +28,10 @@ Both keep derived copies (the fused and packed weights cost the model's product 
 about 540 MB for SmolLM2-135M in float32), built on first use and rebuilt whenever a weight's
 storage or version changes (an in-place update or an optimizer step bumps the version), so they
 never serve stale weights. And with `decode` (on in the engine: `EngineConfig.decode_kernel`), a
-product of at most 8 rows (a decode step) runs on `kernels/decode_products.py`'s AVX2 kernel over
-the weights as they are (the fused ones side by side, no copy), which reads them faster than oneDNN
-does at those sizes on an AVX2-only CPU; where it cannot run, the oneDNN path above does. Measured
+product of at most 8 rows (a decode step) runs on `kernels/decode_products.py`'s AVX2 kernel (in
+16 lanes where the CPU has AVX-512F) over the weights as they are (the fused ones side by side, no
+copy), which reads them faster than oneDNN does at those sizes on an AVX2-only CPU; where it cannot
+run, the oneDNN path above does. Measured
 in `benchmarks/rollouts.py --part decode` (docs/benchmarks.md).
 """
 
