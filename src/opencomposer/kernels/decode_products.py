@@ -61,6 +61,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <atomic>
 
 static inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -112,20 +113,6 @@ static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, floa
   block<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
 }
 
-static void chunk(int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
-                  int64_t K, int64_t n0, int64_t n1) {
-  switch (B) {
-    case 1: rows_of<1>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 2: rows_of<2>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 3: rows_of<3>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 4: rows_of<4>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 5: rows_of<5>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 6: rows_of<6>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 7: rows_of<7>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    default: rows_of<8>(x, sx, w, sw, y, sy, K, n0, n1); break;
-  }
-}
-
 // The same products in 16 lanes, for CPUs with AVX-512 (compiled for it here, chosen at run time):
 // 32 registers hold 24 accumulators, so a block takes more weight rows per input row than AVX2's 16
 // allow (at 8 inputs, 3 weight rows: 11 loads feed 24 FMAs, against 9 for 8), and a load brings 16
@@ -170,23 +157,27 @@ static void rows16_of(const float* x, int64_t sx, const float* w, int64_t sw, fl
   block16<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
 }
 
-static void chunk16(int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
-                    int64_t K, int64_t n0, int64_t n1) {
-  switch (B) {
-    case 1: rows16_of<1>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 2: rows16_of<2>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 3: rows16_of<3>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 4: rows16_of<4>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 5: rows16_of<5>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 6: rows16_of<6>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    case 7: rows16_of<7>(x, sx, w, sw, y, sy, K, n0, n1); break;
-    default: rows16_of<8>(x, sx, w, sw, y, sy, K, n0, n1); break;
-  }
-}
 #pragma GCC pop_options
 
+// B rows on one of the two forms: rows_of<B> (8 lanes) or rows16_of<B> (16)
+#define OC_ROWS(n) (w16 ? rows16_of<n> : rows_of<n>)(x, sx, w, sw, y, sy, K, n0, n1)
+static void chunk(bool w16, int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y,
+                  int64_t sy, int64_t K, int64_t n0, int64_t n1) {
+  switch (B) {
+    case 1: OC_ROWS(1); break;
+    case 2: OC_ROWS(2); break;
+    case 3: OC_ROWS(3); break;
+    case 4: OC_ROWS(4); break;
+    case 5: OC_ROWS(5); break;
+    case 6: OC_ROWS(6); break;
+    case 7: OC_ROWS(7); break;
+    default: OC_ROWS(8); break;
+  }
+}
+#undef OC_ROWS
+
 // Which kernel runs: 16 lanes where the CPU has AVX-512F (unless turned off), else 8.
-static int g_wide = -1;  // -1: not chosen yet
+static std::atomic<int> g_wide{-1};  // -1: not chosen yet (atomic: a benchmark may switch it while a server decodes)
 static bool wide() {
   if (g_wide < 0) {
     __builtin_cpu_init();
@@ -239,7 +230,7 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
         for (size_t i = 0; i + 1 < starts.size(); ++i) {
           const int64_t lo = std::max(t0, starts[i]), hi = std::min(t1, starts[i + 1]);
           if (lo < hi)
-            (w16 ? chunk16 : chunk)(nb, xp + r0 * sx, sx, ptrs[i], strides[i], yp + r0 * N + starts[i], N, K,
+            chunk(w16, nb, xp + r0 * sx, sx, ptrs[i], strides[i], yp + r0 * N + starts[i], N, K,
                   lo - starts[i], hi - starts[i]);
         }
       }
