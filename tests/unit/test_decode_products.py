@@ -27,15 +27,23 @@ def kernel(request):
 
 
 def test_the_two_forms_agree_within_float32_rounding(kernel):
-    if not kernel.set_wide(True):
-        pytest.skip("this CPU has no AVX-512F")
-    torch.manual_seed(1)
-    ws, x = [torch.randn(96, 579)], torch.randn(8, 579)
-    wide = kernel.products(x, ws)
-    kernel.set_wide(False)
-    narrow = kernel.products(x, ws)
-    assert not kernel.set_wide() and (wide - narrow).abs().max() < 1e-3
-    assert not torch.equal(wide, narrow)  # a different order of summation: the switch did switch
+    before = kernel.set_wide()
+    try:
+        if not kernel.set_wide(True):
+            pytest.skip("this CPU has no AVX-512F")
+        torch.manual_seed(1)
+        ws, x = [torch.randn(96, 579)], torch.randn(8, 579)
+        wide = kernel.products(x, ws)
+        kernel.set_wide(False)
+        narrow = kernel.products(x, ws)
+        assert not kernel.set_wide() and (wide - narrow).abs().max() < 1e-3
+        assert not torch.equal(wide, narrow)  # a different order of summation: the switch did switch
+    finally:
+        kernel.set_wide(before)  # the fixture's form for the tests after this one
+
+
+def test_each_param_runs_the_form_it_names(kernel, request):
+    assert kernel.set_wide() == (request.node.callspec.params["kernel"] == "wide")
 
 
 def _ref(x, ws):

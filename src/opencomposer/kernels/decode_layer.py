@@ -90,7 +90,7 @@ static void rms_rows(const float* x, const float* w, float* y, int64_t B, int64_
 // rotate-half RoPE of one head in place: x * cos + roll(x, D/2) * sin', sin' = sin with its first half negated
 static void rope_head(float* x, const float* c, const float* s, int64_t D) {
   float tmp[512];
-  const int64_t h = D / 2;  // two halves, no index modulo: a 64-bit division per element cost ~3 ms a 32-row step
+  const int64_t h = D / 2;  // two halves, no index modulo: a division per element cost ~6 ms a 32-row step
   for (int64_t i = 0; i < h; ++i) tmp[i] = x[i] * c[i] + x[i + h] * s[i];
   for (int64_t i = h; i < D; ++i) tmp[i] = x[i] * c[i] + x[i - h] * s[i];
   std::memcpy(x, tmp, D * sizeof(float));
