@@ -12,7 +12,7 @@ process on the same machine, which compute at once and so split the cores (`RLCo
   ends. In two 30-minute `renames-small` runs with the KL penalty (docs/rl.md) a trainer step on a
   trained group took 76-78 s of a step of 85-90 s in the median, while a group's four rollouts took
   26-54 s: the replica sat idle for the rest of the step, on a core the trainer could use. With this
-  (and the shared prompt's activations kept), the same 13 groups took 1.21x less trainer time.
+  (and the shared prompt's activations kept), the trainer ran the same 13 groups 1.21x faster.
 
 Both apply only where the two sides' threads fit on the CPUs this process may use and the replica is
 a process of this machine (`services = "processes"`).
