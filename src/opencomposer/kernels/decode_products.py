@@ -10,10 +10,10 @@ transformers and the roofline"). The kernel below reads each weight row once, fr
 and does all of the step's rows against it while it is in registers: R weight rows at a time, 8
 lanes of k per load, one accumulator per (weight row, input row), split over torch's intra-op
 threads by weight rows. Several weights (q/k/v, gate/up) go in one call with no concatenated copy.
-From 4 input rows on, it prefetches the next R weight rows while it works on R: in one scratch
-run at 8 rows the reads and the arithmetic had taken turns instead of overlapping, and prefetching
-took SmolLM2's products from 44.6 to 31.8 ms; in two runs an hour later, on a machine that
-streamed a third slower, it changed nothing (docs/inference.md).
+It prefetches the weight rows two blocks ahead into L2 while it works on a block, so the reads
+overlap the arithmetic: on the AMD EPYC (Zen 4) SmolLM2's layer products took 15.4 / 17.5 / 44.8 ms
+at 1 / 8 / 32 rows so, against 18.2 / 23.3 / 51.7 when it prefetched one block ahead into L1 from 4
+rows on (as it did until 2026-12-06; docs/inference.md).
 
 The 16-lane form (AVX-512F) holds up to 24 accumulators in its 32 registers: at 8 inputs 3 weight
 rows at a time (11 loads feed 24 FMAs, against 9 loads for 8 in AVX2), at 3-4 inputs 6. Over
@@ -83,11 +83,14 @@ static void block(const float* x, int64_t sx, const float* w, int64_t sw, float*
     for (int64_t k = 0; k < K8; k += 8) {
       __m256 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * sw + k);
-      // From 4 input rows on, the next R weight rows, one 64-byte line per row every other step:
-      // their reads overlap this block's arithmetic (a prefetch past the end of w does not fault).
-      // Fewer rows are a plain stream that the hardware prefetcher keeps up with.
-      if (B >= 4 && (k & 15) == 0)
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + R + r) * sw + k), _MM_HINT_T0);
+      // The weight rows two blocks ahead, one 64-byte line per row every other step, into L2
+      // (`_MM_HINT_T1`): their reads overlap this block's arithmetic (a prefetch past the end of w
+      // does not fault). Into L1, one block ahead and from 4 input rows on, as until 2026-12-06, the
+      // products read SmolLM2's weights at 1 / 8 / 32 rows in 18.2 / 23.3 / 51.7 ms on the EPYC
+      // (Zen 4) against 15.4 / 17.5 / 44.8 ms so (16 lanes; 8 lanes 19.0 / 26.1 / 67.1 against
+      // 15.0 / 22.0 / 54.2; docs/inference.md, where why is a reading, not a measurement).
+      if ((k & 15) == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
       for (int b = 0; b < B; ++b) {
         const __m256 xv = _mm256_loadu_ps(x + b * sx + k);
         for (int r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(wv[r], xv, acc[r][b]);
@@ -132,8 +135,8 @@ static void block16(const float* x, int64_t sx, const float* w, int64_t sw, floa
     for (int64_t k = 0; k < K16; k += 16) {
       __m512 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * sw + k);
-      if (B >= 4)  // as in `block`: the next R weight rows, one 64-byte line each per step
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + R + r) * sw + k), _MM_HINT_T0);
+      // as in `block`: a line of each of the weight rows two blocks ahead, into L2
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
       for (int b = 0; b < B; ++b) {
         const __m512 xv = _mm512_loadu_ps(x + b * sx + k);
         for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
