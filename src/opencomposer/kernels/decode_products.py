@@ -90,7 +90,8 @@ static void block(const float* x, int64_t sx, const float* w, int64_t sw, float*
       // (Zen 4) against 15.4 / 17.5 / 44.8 ms so (16 lanes; 8 lanes 19.0 / 26.1 / 67.1 against
       // 15.0 / 22.0 / 54.2; docs/inference.md, where why is a reading, not a measurement).
       if ((k & 15) == 0)
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
       for (int b = 0; b < B; ++b) {
         const __m256 xv = _mm256_loadu_ps(x + b * sx + k);
         for (int r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(wv[r], xv, acc[r][b]);
@@ -136,7 +137,8 @@ static void block16(const float* x, int64_t sx, const float* w, int64_t sw, floa
       __m512 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * sw + k);
       // as in `block`: a line of each of the weight rows two blocks ahead, into L2
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
       for (int b = 0; b < B; ++b) {
         const __m512 xv = _mm512_loadu_ps(x + b * sx + k);
         for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
