@@ -100,9 +100,34 @@ def test_a_shared_prefix_is_read_from_the_slot_it_names(models):
             assert torch.allclose(out[i], plain(torch.cat([prompts[s], nxt[i:i + 1]], 1))[0, -1], atol=1e-5), s
 
 
+@pytest.mark.parametrize("hd,g", [(64, 1), (64, 2), (128, 4), (40, 5)])
+def test_other_head_shapes_match_the_eager_layers(hd, g):
+    """The attention's paths the module's model does not take: head sizes of 64 and more (whole
+    64-wide blocks of the scores, 32-wide of the values) and odd ones (40: the tails), and 1, 2, 4
+    or 5 query heads a key head (the values' pass takes them 3 at a time). Contexts past 8
+    positions, so the scores' 8-position groups end in a partial one."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=hd * g, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=g, num_key_value_heads=1, max_position_embeddings=256)
+    fused, plain = LlamaModel(cfg).eval(), LlamaModel(cfg).eval()
+    plain.load_state_dict(fused.state_dict())
+    assert prepare_inference(fused, decode=True)["layers"] == 1
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, 300, (3, 21), generator=gen)
+    with torch.no_grad():
+        caches = {m: m.new_cache(3, 64) for m in (fused, plain)}
+        for m, c in caches.items():
+            m.run(prompts, cache=c)
+        for _ in range(3):
+            nxt = torch.randint(0, 300, (3, 1), generator=gen)
+            out = fused.run(nxt, cache=caches[fused]).logits[:, -1]
+            eager = plain.run(nxt, cache=caches[plain]).logits[:, -1]
+            assert (out - eager).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("batch", [8, 20])
 def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(models, batch):
-    """Up to 8 rows and past 8 (the products then take the rows in groups of 8). The final hidden
+    """Up to 8 rows and past 8 (the products then take the rows in groups of 4). The final hidden
     states: the head is not the layer's (past 8 rows it runs on oneDNN, whose result depends on
     the batch)."""
     fused, _ = models

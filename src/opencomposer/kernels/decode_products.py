@@ -85,10 +85,8 @@ static void block(const float* x, int64_t sx, const float* w, int64_t sw, float*
       for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * sw + k);
       // The weight rows two blocks ahead, one 64-byte line per row every other step, into L2
       // (`_MM_HINT_T1`): their reads overlap this block's arithmetic (a prefetch past the end of w
-      // does not fault). Into L1, one block ahead and from 4 input rows on, as until 2026-12-06, the
-      // products read SmolLM2's weights at 1 / 8 / 32 rows in 18.2 / 23.3 / 51.7 ms on the EPYC
-      // (Zen 4) against 15.4 / 17.5 / 44.8 ms so (16 lanes; 8 lanes 19.0 / 26.1 / 67.1 against
-      // 15.0 / 22.0 / 54.2; docs/inference.md, where why is a reading, not a measurement).
+      // does not fault). Into L1 one block ahead, as until 2026-12-06, was slower at every row
+      // count (module docstring; docs/inference.md).
       if ((k & 15) == 0)
         for (int r = 0; r < R; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
