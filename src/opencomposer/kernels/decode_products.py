@@ -13,7 +13,9 @@ threads by weight rows. Several weights (q/k/v, gate/up) go in one call with no 
 It prefetches the weight rows two blocks ahead into L2 while it works on a block, so the reads
 overlap the arithmetic: on the AMD EPYC (Zen 4) SmolLM2's layer products took 15.4 / 17.5 / 44.8 ms
 at 1 / 8 / 32 rows so, against 18.2 / 23.3 / 51.7 when it prefetched one block ahead into L1 from 4
-rows on (as it did until 2026-12-06; docs/inference.md).
+rows on (as it did until 2026-12-06; docs/inference.md). Past 8 rows, in the 16-lane form, the
+groups of inputs after a tile's first bring the next tile's rows into L2 while they compute
+(`Ahead`): 1.04-1.16x on SmolLM2's layer products at 32 rows on the same host.
 
 The 16-lane form (AVX-512F) holds up to 24 accumulators in its 32 registers: at 8 inputs 3 weight
 rows at a time (11 loads feed 24 FMAs, against 9 loads for 8 in AVX2), at 3-4 inputs 6. Over
@@ -70,6 +72,23 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// The next tile's weight rows (up to 4 ranges of bytes), brought into L2 `per` lines a k-step while
+// a tile's later groups of inputs compute from it (more than 8 rows, 16-lane form): their reads
+// spread over the tile's work, where otherwise the next tile's first group would wait on them all
+// at once. The first group, which reads a tile first, prefetches its own rows instead.
+struct Ahead {
+  const char* p[4];
+  const char* e[4];
+  int n = 0, i = 0, per = 1;
+  inline void step() {
+    for (int j = 0; j < per && i < n; ++j) {
+      _mm_prefetch(p[i], _MM_HINT_T1);
+      p[i] += 64;
+      if (p[i] >= e[i]) ++i;
+    }
+  }
+};
+
 // y[b, n] = sum_k x[b, k] w[n, k] for weight rows n in [n0, n1): R of them at a time, B inputs.
 template <int R, int B>
 static void block(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
@@ -107,7 +126,7 @@ static void block(const float* x, int64_t sx, const float* w, int64_t sw, float*
 
 template <int B>
 static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy, int64_t K,
-                    int64_t n0, int64_t n1) {
+                    int64_t n0, int64_t n1, Ahead*) {
   // Up to 12 accumulators plus the loaded weight rows and an input fit AVX2's 16 registers. At 3-4
   // inputs, 3 weight rows: 7 loads feed 12 FMAs (at 8 inputs, 9 feed 8), which is what more than 8
   // rows run on (below).
@@ -124,7 +143,7 @@ static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, floa
 #pragma GCC target("avx512f,avx2,fma")
 template <int R, int B>
 static void block16(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
-                    int64_t K, int64_t n0, int64_t n1) {
+                    int64_t K, int64_t n0, int64_t n1, Ahead* ah) {
   const int64_t K16 = K & ~int64_t(15);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
@@ -134,9 +153,13 @@ static void block16(const float* x, int64_t sx, const float* w, int64_t sw, floa
     for (int64_t k = 0; k < K16; k += 16) {
       __m512 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * sw + k);
-      // as in `block`: a line of each of the weight rows two blocks ahead, into L2
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
+      // as in `block`: a line of each of the weight rows two blocks ahead, into L2; or, in a tile's
+      // later groups, the next tile's lines (`Ahead`)
+      if (!ah)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * R + r) * sw + k), _MM_HINT_T1);
+      else
+        ah->step();
       for (int b = 0; b < B; ++b) {
         const __m512 xv = _mm512_loadu_ps(x + b * sx + k);
         for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
@@ -149,23 +172,23 @@ static void block16(const float* x, int64_t sx, const float* w, int64_t sw, floa
         y[b * sy + n + r] = s;
       }
   }
-  if (R > 1 && n < n1) block16<1, B>(x, sx, w, sw, y, sy, K, n, n1);
+  if (R > 1 && n < n1) block16<1, B>(x, sx, w, sw, y, sy, K, n, n1, ah);
 }
 
 template <int B>
 static void rows16_of(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy, int64_t K,
-                      int64_t n0, int64_t n1) {
+                      int64_t n0, int64_t n1, Ahead* ah) {
   // R x B accumulators + R weight rows + one input within 32 registers
   constexpr int R = B <= 2 ? 8 : B <= 4 ? 6 : B <= 6 ? 4 : 3;
-  block16<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
+  block16<R, B>(x, sx, w, sw, y, sy, K, n0, n1, ah);
 }
 
 #pragma GCC pop_options
 
 // B rows on one of the two forms: rows_of<B> (8 lanes) or rows16_of<B> (16)
-#define OC_ROWS(n) (w16 ? rows16_of<n> : rows_of<n>)(x, sx, w, sw, y, sy, K, n0, n1)
+#define OC_ROWS(n) (w16 ? rows16_of<n> : rows_of<n>)(x, sx, w, sw, y, sy, K, n0, n1, ah)
 static void chunk(bool w16, int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y,
-                  int64_t sy, int64_t K, int64_t n0, int64_t n1) {
+                  int64_t sy, int64_t K, int64_t n0, int64_t n1, Ahead* ah) {
   switch (B) {
     case 1: OC_ROWS(1); break;
     case 2: OC_ROWS(2); break;
@@ -225,16 +248,39 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   // a tile a multiple of 12, so blocks of 3, 4 and 6 weight rows fill it
   const int64_t tile = std::max<int64_t>(12, (128 * 1024) / (4 * K) / 12 * 12);
   const int64_t group = B > 8 ? 4 : 8;
+  const int64_t groups = (B + group - 1) / group;
+  // The next tile's rows stream in during the later groups in the 16-lane form only: there they took
+  // SmolLM2's layer products at 9 / 16 / 32 rows 1.15 / 1.13 / 1.04-1.16x faster on the AMD EPYC
+  // (Zen 4); the 8-lane form on the same host was 0.93 / 0.95 / 1.08x (docs/inference.md), and no
+  // AVX2-only host was at hand to measure it where that form runs.
+  const bool next = groups > 1 && w16;
   at::parallel_for(0, N, 128, [&](int64_t a, int64_t b) {
     for (int64_t t0 = a; t0 < b; t0 += tile) {
-      const int64_t t1 = std::min(b, t0 + tile);
+      const int64_t t1 = std::min(b, t0 + tile), t2 = std::min(b, t1 + tile);
+      // the next tile's rows, for the groups after the first to bring into L2
+      Ahead ah;
+      int64_t bytes = 0;
+      for (size_t i = 0; next && i + 1 < starts.size() && ah.n < 4; ++i) {
+        const int64_t lo = std::max(t1, starts[i]), hi = std::min(t2, starts[i + 1]);
+        if (lo < hi) {
+          ah.p[ah.n] = reinterpret_cast<const char*>(ptrs[i] + (lo - starts[i]) * strides[i]);
+          ah.e[ah.n] = reinterpret_cast<const char*>(ptrs[i] + (hi - starts[i]) * strides[i]);
+          bytes += ah.e[ah.n] - ah.p[ah.n];
+          ++ah.n;
+        }
+      }
+      // the later groups' k-steps (R = 6 weight rows a block in groups of 4): the tile's lines spread over them
+      if (ah.n > 0) {
+        const int64_t steps = (groups - 1) * std::max<int64_t>(1, (t1 - t0) / 6) * std::max<int64_t>(1, K / 16);
+        ah.per = int(std::min<int64_t>(8, std::max<int64_t>(1, (bytes / 64 + steps - 1) / steps)));
+      }
       for (int64_t r0 = 0; r0 < B; r0 += group) {
         const int64_t nb = std::min<int64_t>(group, B - r0);
         for (size_t i = 0; i + 1 < starts.size(); ++i) {
           const int64_t lo = std::max(t0, starts[i]), hi = std::min(t1, starts[i + 1]);
           if (lo < hi)
             chunk(w16, nb, xp + r0 * sx, sx, ptrs[i], strides[i], yp + r0 * N + starts[i], N, K,
-                  lo - starts[i], hi - starts[i]);
+                  lo - starts[i], hi - starts[i], r0 > 0 && ah.n > 0 ? &ah : nullptr);
         }
       }
     }
