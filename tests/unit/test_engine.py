@@ -148,6 +148,26 @@ def test_batched_sampling_equals_row_by_row():
     assert sample_rows(logits[:0], [], []) == []
 
 
+@pytest.mark.parametrize("temps", [(1.0,) * 4, (0.0,) * 4, (1.0, 1.0, 0.0, 1.0), (2.0,) * 4])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_batched_sampling_skips_nothing_a_row_needs(temps, one_hot):
+    """`sample_rows` divides by no temperature of 1, and runs the argmax and the copies only for the
+    rows that need them (all rows at 1, all greedy, one greedy row among sampled ones, a one-hot row
+    that draws nothing): each row still gets what `sample` gives it alone."""
+    from opencomposer.inference.sampling import sample_rows
+
+    params = [SamplingParams(temperature=t, top_logprobs=2 if i == 1 else 0) for i, t in enumerate(temps)]
+    for trial in range(10):
+        logits = torch.randn(len(params), 500) * 4
+        if one_hot:
+            logits[0, 7] = 1e4
+        g1 = [torch.Generator().manual_seed(trial * 10 + i) for i in range(len(params))]
+        g2 = [torch.Generator().manual_seed(trial * 10 + i) for i in range(len(params))]
+        alone = [sample(logits[i], p, g1[i]) for i, p in enumerate(params)]
+        assert sample_rows(logits, params, g2) == alone
+        assert [float(torch.rand((), generator=g)) for g in g1] == [float(torch.rand((), generator=g)) for g in g2]
+
+
 def test_bad_requests_and_limits():
     engine = Engine(llama(), config=EngineConfig(slots=2, max_len=16))
     with pytest.raises(EngineError, match="context is 16"):

@@ -107,26 +107,35 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
     if not plain:
         return out
     x = logits[plain].float() if len(plain) < len(params) else logits.float()
-    temps = torch.tensor([[params[i].temperature or 1.0] for i in plain], dtype=x.dtype)
-    scaled = x / temps
+    temps = [params[i].temperature or 1.0 for i in plain]
+    # x / 1.0 is x, bit for bit: at temperature 0 or 1 (greedy evals, RL rollouts) no pass divides.
+    # Below, a pass over (rows, V) runs only for the rows that need it (the argmax of the greedy rows
+    # and of the one-hot ones), and nothing used whole is copied first: the same tokens, logprobs and
+    # draws as before, and at temperature 1 on SmolLM2's 49,152 logits 2.7 -> 1.05 ms a step at 8
+    # rows and 10.5 -> 3.8 at 32 on the AMD EPYC (Zen 4); the engine's decode 1.06x / 1.04x there
+    # (docs/inference.md).
+    scaled = x if all(t == 1.0 for t in temps) else x / torch.tensor(temps, dtype=x.dtype)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    toks = x.argmax(-1)
     hot = [j for j, i in enumerate(plain) if params[i].temperature > 0]
+    cold = [j for j in range(len(plain)) if params[plain[j]].temperature <= 0]
+    toks = torch.empty(len(plain), dtype=torch.long)
+    if cold:
+        toks[cold] = (x if len(cold) == len(plain) else x[cold]).argmax(-1)
     if hot:
-        probs = torch.softmax(scaled[hot], dim=-1)
+        probs = torch.softmax(scaled if len(hot) == len(plain) else scaled[hot], dim=-1)
         probs = probs / probs.sum(-1, keepdim=True)
-        draw_rows = [r for r, m in enumerate((probs.max(-1).values < 1.0).tolist()) if m]
-        if draw_rows:  # a one-hot row takes its argmax and draws nothing, as `draw` does
-            cdf = probs[draw_rows].cumsum(-1)
+        keep = (probs.max(-1).values < 1.0).tolist()
+        draw_rows = [r for r, m in enumerate(keep) if m]
+        one_hot = [r for r, m in enumerate(keep) if not m]
+        probs_tok = torch.empty(len(hot), dtype=torch.long)
+        if one_hot:  # a one-hot row takes its argmax and draws nothing, as `draw` does
+            probs_tok[one_hot] = probs[one_hot].argmax(-1)
+        if draw_rows:
+            cdf = (probs if len(draw_rows) == len(hot) else probs[draw_rows]).cumsum(-1)
             u = torch.stack([1.0 - torch.rand((), generator=gens[plain[hot[r]]], dtype=cdf.dtype)
                              for r in draw_rows])[:, None] * cdf[:, -1:]
-            drawn = torch.searchsorted(cdf, u).clamp(max=v - 1)[:, 0]
-            probs_tok = probs.argmax(-1)
-            for r, t in zip(draw_rows, drawn.tolist()):
-                probs_tok[r] = t
-            toks[hot] = probs_tok
-        else:
-            toks[hot] = probs.argmax(-1)
+            probs_tok[draw_rows] = torch.searchsorted(cdf, u).clamp(max=v - 1)[:, 0]
+        toks[hot] = probs_tok
     picked = logp.gather(1, toks[:, None])[:, 0].tolist()
     for j, i in enumerate(plain):
         top = []
