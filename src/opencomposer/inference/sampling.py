@@ -117,7 +117,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
     scaled = x if all(t == 1.0 for t in temps) else x / torch.tensor(temps, dtype=x.dtype)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     hot = [j for j, i in enumerate(plain) if params[i].temperature > 0]
-    cold = [j for j in range(len(plain)) if params[plain[j]].temperature <= 0]
+    cold = sorted(set(range(len(plain))) - set(hot))
     toks = torch.empty(len(plain), dtype=torch.long)
     if cold:
         toks[cold] = (x if len(cold) == len(plain) else x[cold]).argmax(-1)
