@@ -79,3 +79,31 @@ def test_edits_are_split_into_turns_of_bounded_size():
     assert [len(t) for t in sizes] == [2, 1, 1] and all(sum(t) <= 150 for t in sizes if len(t) > 1)
     assert [c for t in in_turns(calls, 150) for c in t] == calls  # order kept, nothing lost
     assert in_turns(calls, None) == [calls] and in_turns([], 100) == []
+
+
+def test_span_edits_copy_the_smallest_unique_part_of_a_line(tmp_path):
+    code = ('__all__ = ["enc", "unenc"]\n\n\nclass C:\n    def enc(self, s):\n        return s\n\n'
+            '    def unenc(self, s):\n        return self.enc(s)[::-1]\n\n\nx = C.enc(C(), 1)\n')
+    new = code.replace('"enc"', '"enc_v2"').replace("def enc(", "def enc_v2(").replace(".enc(", ".enc_v2(")
+    patch = ("diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1,12 +1,12 @@\n"
+             + "".join(f"-{a}\n+{b}\n" if a != b else f" {a}\n" for a, b in zip(code.splitlines(), new.splitlines())))
+    task = _task(tmp_path, code, patch)
+    calls = minimal_edits(task, spans=True)
+    # each old text is a few tokens of the changed line, dressed as code is read (quotes, `def`, the
+    # call's parenthesis) and grown only until unique: `.enc(` is there twice
+    assert [(c["arguments"]["old_string"], c["arguments"]["new_string"]) for c, _ in calls] == [
+        ('"enc"', '"enc_v2"'), ("def enc(", "def enc_v2("), ("self.enc(", "self.enc_v2("),
+        ("C.enc(", "C.enc_v2(")] and all(bare for _, bare in calls)
+    assert _apply(code, [c for c, _ in calls]) == new
+    # the lines themselves are the default, and a search for the name shows every span's line
+    assert [c["arguments"]["old_string"] for c, _ in minimal_edits(task)][1] == "    def enc(self, s):\n"
+    assert shown_by_search(task, "enc", spans=True) == [c for c, _ in calls]
+
+
+def test_a_span_falls_back_to_the_lines_when_no_part_of_the_line_is_unique(tmp_path):
+    code = "a = 1\nb = f(1)\nc = 2\nb = f(1)\n"
+    patch = "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1,3 +1,3 @@\n a = 1\n-b = f(1)\n+b = g(1)\n c = 2\n"
+    (call, bare), = minimal_edits(_task(tmp_path, code, patch), spans=True)
+    # the changed line is there twice, so no part of it is unique: the line widened by context, as without spans
+    assert call["arguments"]["old_string"] == "b = f(1)\nc = 2\n" and not bare
+    assert _apply(code, [call]) == "a = 1\nb = g(1)\nc = 2\nb = f(1)\n"

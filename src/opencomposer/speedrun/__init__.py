@@ -276,7 +276,7 @@ def run_stage(name: str, cfg: SpeedrunConfig, run_dir: RunDir, metrics: MetricsW
     elif name == "sft":
         task = bar.add_task("sft: demonstrations of the train split", total=cfg.sft.steps)
         data = run_demonstrations(cfg.agent, tasks, cfg.train_split, root / "sft" / "demonstrations",
-                                  exclude=kept_for_rl(tasks, cfg.train_split, cfg.rl_share))
+                                  exclude=kept_for_rl(tasks, cfg.train_split, cfg.rl_share), spans=cfg.sft.span_edits)
         cpt = root / "cpt" / "model"
         train_stage.run_sft(cfg.sft, run_dir, metrics, cpt if cpt.exists() else base_model(cfg, run_dir), data,
                             progress=lambda step, rec: bar.update(task, completed=step))

@@ -142,10 +142,11 @@ def kept_for_rl(tasks: Path, split: str, share: float) -> tuple[str, ...]:
 
 
 def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path,
-                       exclude: tuple[str, ...] = ()) -> list[Path]:
+                       exclude: tuple[str, ...] = (), spans: bool = False) -> list[Path]:
     """Demonstrations of the train split through the harness (`evals/demonstration.py`), with the
     agent stages' tool set, so SFT renders the same system prompt the policy will see. Only
-    episodes that pass go to SFT, and none of the tasks in `exclude` (those kept for RL)."""
+    episodes that pass go to SFT, and none of the tasks in `exclude` (those kept for RL). `spans`:
+    edits whose old text is the smallest unique part of a line (`evals/demonstration.py`)."""
     import dataclasses
 
     from opencomposer.evals.demonstration import demonstration_policy
@@ -156,7 +157,7 @@ def run_demonstrations(agent: AgentSettings, tasks: Path, split: str, out: Path,
     demo = dataclasses.replace(agent, max_turns=max(agent.max_turns, 16))
     chars = int(TURN_CHARS_PER_TOKEN * agent.turn_tokens)
     s = run_eval(EvalConfig(tasks=tasks, split=split, passes=1, concurrency=2, agent=harness(demo)),
-                 lambda task, k=0: demonstration_policy(task, k, max_turn_chars=chars), out)
+                 lambda task, k=0: demonstration_policy(task, k, max_turn_chars=chars, spans=spans), out)
     skip = set(exclude)
     passed = [out / "trajectories" / f"{r['task']}.{r['pass']}.json" for r in read_jsonl(out / "results.jsonl")
               if r["passed"] and r["task"] not in skip]

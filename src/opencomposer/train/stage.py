@@ -42,6 +42,10 @@ class SFTStageConfig:
     batch_size: int = 1
     """Demonstrations a step; more than one computes the prompt they share once (`train/shared_prefix.py`)."""
     lr: float = 1e-5
+    span_edits: bool = False
+    """The speedrun's demonstrations edit with the smallest unique part of a changed line as the old
+    text (`def read(`, `'escape'`) instead of whole lines with their indentation
+    (`evals/demonstration.py`, `minimal_edits`), where that says the change."""
     bf16: bool | Literal["auto"] = False
     """Products and attention under CPU bf16 autocast (`OptimConfig.bf16`; weights, optimiser and
     loss stay float32). "auto": where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX;
