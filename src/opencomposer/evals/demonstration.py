@@ -84,10 +84,10 @@ def _span(old: str, new: str, text: str) -> tuple[str, str] | None:
         moved = False
         for _ in range(2):
             if grow_right and j + 1 < len(toks):
-                j += 1 + (j + 2 < len(toks) and not old[toks[j + 1][0]:toks[j + 1][1]].strip())
+                j += 1 + (j + 2 < len(toks) and not tok(j + 1).strip())
                 moved = True
             elif not grow_right and i > 0:
-                i -= 1 + (i > 1 and not old[toks[i - 1][0]:toks[i - 1][1]].strip())
+                i -= 1 + (i > 1 and not tok(i - 1).strip())
                 moved = True
             grow_right = not grow_right
             if moved:
