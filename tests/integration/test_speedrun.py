@@ -53,6 +53,9 @@ def test_smoke_runs_the_recipe(smoke):
         assert ("stage_end", stage) in ev, stage
     assert not [e for e in ev if e[0] == "stage_failed"]
     cfg = json.loads((smoke / "config.json").read_text())
+    calib = json.loads((smoke / "evals" / "summary.json").read_text())  # the runner, on the held-out split
+    assert calib["calibrated"] and calib["calibration_split"] == "held_out"
+    assert calib["runs"]["oracle"]["episodes"] == calib["split_stats"]["held_out"]["tasks"] < calib["tasks"]
     k, n = cfg["agent_eval"]["samples"], cfg["agent_eval"]["max_tasks"]
     for stage in AGENT:
         s = json.loads((smoke / stage / "summary.json").read_text())

@@ -69,7 +69,8 @@ def evals_section(s: dict) -> list[str]:
         best = next(v for k, v in r.items() if k.startswith("best_of_"))
         out.append(f"| {name} | {r['accuracy']:.0%} | {r['pass@1']:.0%} | {best:.0%} | {r['infra_errors']} | "
                    f"{r['episodes']} |")
-    out += ["", f"Runner calibrated (oracle 100%, noop 0%): {_yes(s['calibrated'])}. HTML reports: "
+    where = f"the {s['calibration_split']} split" if s.get("calibration_split") else "every task"
+    out += ["", f"Runner calibrated on {where} (oracle 100%, noop 0%): {_yes(s['calibrated'])}. HTML reports: "
             "`evals/oracle/report.html`, `evals/noop/report.html`.", ""]
     return out
 
