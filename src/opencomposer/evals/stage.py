@@ -24,8 +24,9 @@ class EvalsStageConfig:
     calibrate_split: str | None = None
     """Calibrate the runner on this split only (None: every task). Each task's gold and noop grading is
     already a gate of the build (`tasks/gates.py`: gold passes twice, noop fails); what the
-    calibration adds is the runner's own path (an episode through the harness, graded in a clean
-    fork), which the held-out split shows as well as the whole family, in a fraction of the time."""
+    calibration adds is a check of the runner's own path (an episode through the harness, graded in
+    a clean fork) on the tasks of this split only: 10 s for the default's 9 held-out tasks against
+    89 s for all 56 on the AMX Xeon."""
 
 
 def run(cfg: EvalsStageConfig, run_dir: RunDir, metrics: MetricsWriter, progress=None) -> dict:
