@@ -43,8 +43,8 @@ Context: decode where agent episodes decode, B rows of 1,600-token prompts whose
 are one shared prefix (the system prompt and tool schemas every request of an episode starts with;
 random tokens here), cached by one request before the batch arrives, as the server has it after an
 episode's first turn. Our engine with shared-prefix attention on (the prefix read once per step for
-all rows: `EngineConfig.shared_prefix_attention`) and off (each row reads its own copy), and
-transformers on the same prompts (its cached one-token forwards timed directly:
+all rows: `EngineConfig.shared_prefix_attention`) and off (each row reads its own copy), shared on
+without the fused layer's prefetch of the next attention task's keys and values, and transformers on the same prompts (its cached one-token forwards timed directly:
 `hf_decode_cached`); the bound as above with every row's KV read (the conventional
 decode bound; reading the shared prefix once moves the true floor lower).
 """
@@ -217,7 +217,7 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
     params = sum(p.numel() for p in mine.parameters())
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     new, plen, shared = 64, 1600, 1200
-    impls = ("shared on", "shared off", "eager layers, shared on", "transformers")
+    impls = ("shared on", "shared off", "shared on, no KV prefetch", "eager layers, shared on", "transformers")
     batches = (4, 8)
     res = {(impl, b): [] for impl in impls for b in batches}
     attn = {b: [] for b in batches}  # seconds in the eager layers' decode attention per step
@@ -231,15 +231,18 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
         finally:
             spent[0] += time.perf_counter() - t
 
-    def ours(p, share, fused=True):
+    def ours(p, share, fused=True, kv=True):
         spent[0] = 0.0
         KVCache.decode_attend = timed_attend
         fused_before = decode_layer.set_enabled(fused)
+        kv_before = decode_layer.set_kv_prefetch(None)
+        decode_layer.set_kv_prefetch(kv)
         try:
             secs = ours_decode(mine, p, new, shared=shared, share=share)
         finally:
             KVCache.decode_attend = plain_attend
             decode_layer.set_enabled(fused_before)
+            decode_layer.set_kv_prefetch(kv_before)
         if not fused:
             attn[p.shape[0]].append(spent[0] / (new - 1))
         return secs
@@ -251,6 +254,7 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
             prompts = torch.cat([head, torch.randint(0, cfg.vocab_size, (b, plen - shared), generator=g)], 1)
             order = [("shared on", lambda p=prompts: ours(p, True)),
                      ("shared off", lambda p=prompts: ours(p, False)),
+                     ("shared on, no KV prefetch", lambda p=prompts: ours(p, True, kv=False)),
                      ("eager layers, shared on", lambda p=prompts: ours(p, True, fused=False)),
                      ("transformers", lambda p=prompts: hf_decode_cached(ref, p, new))]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
@@ -258,19 +262,20 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
                 print("context", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
     lines = ["`shared on` / `off`: our engine as it serves (decode steps one C++ call a layer, "
              "`kernels/decode_layer.py`), the shared prefix read from one slot for every row that shares it, or each "
-             "row reading its own copy; `eager layers, shared on`: the same engine with each layer's torch calls "
+             "row reading its own copy; `no KV prefetch`: shared on, without the attention's prefetch of the next "
+             "task's keys and values (`decode_layer.set_kv_prefetch(False)`); `eager layers, shared on`: the same engine with each layer's torch calls "
              "(`OPENCOMPOSER_DECODE_LAYER=off`) and cascade attention over the shared prefix (`KVCache.decode_attend`).",
              "",
-             "| batch | shared on tok/s | shared off tok/s | eager layers, shared on tok/s | transformers tok/s | on / off "
-             "| on / eager layers | on / transformers | roofline bound tok/s | on / bound | eager layers: attention ms a "
-             "step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | shared on tok/s | shared off tok/s | no KV prefetch tok/s | eager layers, shared on tok/s "
+             "| transformers tok/s | on / off | on / no KV prefetch | on / eager layers | on / transformers "
+             "| roofline bound tok/s | on / bound | eager layers: attention ms a step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in batches:
-        on, off, eager, h = (statistics.median(res[(i, b)]) for i in impls)
+        on, off, nopf, eager, h = (statistics.median(res[(i, b)]) for i in impls)
         ctx = plen + new // 2
         bound = b / max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
-        lines.append(f"| {b} | {on:.1f} | {off:.1f} | {eager:.1f} | {h:.1f} | **{on / off:.2f}x** | "
-                     f"{on / eager:.2f}x | **{on / h:.2f}x** | {bound:.0f} | **{on / bound:.2f}** | "
+        lines.append(f"| {b} | {on:.1f} | {off:.1f} | {nopf:.1f} | {eager:.1f} | {h:.1f} | **{on / off:.2f}x** | "
+                     f"**{on / nopf:.2f}x** | {on / eager:.2f}x | **{on / h:.2f}x** | {bound:.0f} | **{on / bound:.2f}** | "
                      f"{statistics.median(attn[b]) * 1e3:.1f} |")
     lines += ["", "Attention: the seconds inside `KVCache.decode_attend` (the cache write and attention over it, all "
               "layers) per decode step of the eager arm, timed around each call (the fused layer does both inside its "

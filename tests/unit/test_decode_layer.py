@@ -200,3 +200,34 @@ def test_the_op_refuses_rows_outside_the_cache(models):
             with pytest.raises(RuntimeError, match="outside the cache"):
                 op(torch.zeros(1, 96), ws, ks, vs, slots, starts, one, one, torch.zeros(1, 16), torch.zeros(1, 16),
                    1e-5, 6, 2)
+
+
+def test_prefetching_the_next_tasks_keys_changes_no_bit(models):
+    """The attention's prefetch of the next task's keys and values (`set_kv_prefetch`) moves no
+    arithmetic: the same logits and the same cache, bit for bit, with it on and off, for rows that
+    read a shared prefix from another slot and rows that read only their own."""
+    fused, _ = models
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 300, (1, 40), generator=g)
+    tails = {s: torch.randint(0, 300, (1, n), generator=g) for s, n in {0: 3, 1: 7, 2: 1, 4: 30}.items()}
+    before = decode_layer.set_kv_prefetch(None)
+    outs = {}
+    try:
+        for on in (False, True):
+            assert decode_layer.set_kv_prefetch(on) is on
+            with torch.no_grad():
+                cache = fused.new_cache(6, 128)
+                fused.run(prefix, cache=cache, rows=[0])
+                cache.copy(0, [1, 2])
+                for s, t in tails.items():
+                    fused.run(t if s != 4 else torch.cat([prefix, t], 1), cache=cache, rows=[s])
+                cache.shared = SharedPrefix(40, [0, 1, 2])
+                rows = [4, 0, 2, 1]
+                logits = [fused.run(torch.full((4, 1), 11 + i), cache=cache, rows=rows).logits[:, -1]
+                          for i in range(3)]
+            outs[on] = (torch.stack(logits), [t.clone() for layer in range(CFG.num_hidden_layers)
+                                              for t in cache.storage(layer)])
+    finally:
+        decode_layer.set_kv_prefetch(before)
+    assert torch.equal(outs[False][0], outs[True][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[False][1], outs[True][1]))
