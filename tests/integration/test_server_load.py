@@ -119,6 +119,11 @@ def test_bad_bodies_get_clear_4xx(srv):
     code, body, _ = request(srv, "POST", "/v1/chat/completions",
                             json.dumps({"messages": MSG, "max_tokens": "lots"}).encode())
     assert code == 400 and "max_tokens" in json.loads(body)["error"]["message"]
+    # JSON booleans are ints to Python: found by the fuzzer below, they reached the embedding as a bool tensor (500)
+    for prompt in ([False], [[True, 3]], [1, True]):
+        raw = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+        code, body, _ = request(srv, "POST", "/v1/completions", raw)
+        assert code == 400 and "token ids" in json.loads(body)["error"]["message"], (prompt, body)
     assert chat(srv)[0] == 200
 
 

@@ -176,6 +176,8 @@ def test_bad_requests_and_limits():
         engine.submit([1, 2], SamplingParams(), n=3)
     with pytest.raises(EngineError, match="token ids"):
         engine.submit([1, 99999], SamplingParams())
+    with pytest.raises(EngineError, match="integers"):
+        engine.submit([True, 2], SamplingParams())
     (s,) = engine.generate(list(range(10)), SamplingParams(max_tokens=100, seed=0))
     assert s.finish_reason == "length" and len(s.prompt) + len(s.tokens) == 16
 

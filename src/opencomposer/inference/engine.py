@@ -153,6 +153,9 @@ class Engine:
         if not 1 <= n <= self.config.slots:
             raise EngineError(f"n must be in 1..{self.config.slots}, got {n}")
         vocab = self.model.config.vocab_size
+        # bool is an int to Python, and `[True]` became a bool tensor that the embedding refused mid-step
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise EngineError("prompt token ids must be integers")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise EngineError(f"prompt token ids must be in 0..{vocab - 1}")
         seqs = []

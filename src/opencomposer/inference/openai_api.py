@@ -368,7 +368,7 @@ class Frontend:
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):  # not bool, an int to Python
             ids = prompt
         else:
             raise RequestError(400, "prompt must be a non-empty string or a list of token ids (one prompt)", "prompt")
