@@ -32,6 +32,8 @@ def stage_times(run: Path) -> tuple[dict[str, float], dict[str, str]]:
         e = json.loads(line)
         if "stage" not in e:
             continue
+        if e["event"] == "stage_skipped" and status.get(e["stage"]) == "stage_end":
+            continue  # a later invocation that skipped what an earlier one finished (`--stages`): it stays done
         status[e["stage"]] = e["event"]
         if e["event"] == "stage_end":
             times[e["stage"]] = e["seconds"]
