@@ -19,9 +19,9 @@ keys (its slot, or for positions inside a shared prefix the one slot all sharing
 the same bytes, so the rows read the same memory, which can stay in cache between them; how often
 it does was not measured), so a row's output does not depend on the other rows in the batch.
 While a task (a row and a key head) computes its attention, it brings the next task's keys and
-values into L2 (`set_kv_prefetch`; they are read cold, and a task's own reads left the memory idle):
-1.02-1.09x on a 30-layer step of SmolLM2 at 32 rows and 96-300 positions on the AMX Xeon, no bit
-changed (docs/inference.md).
+values into L2 (`set_kv_prefetch`; they are read cold, and a task that waited on its own read them
+at about half a plain stream's rate): SmolLM2's 30 fused layers of a 32-row step at 96-300 positions
+1.02-1.09x faster on the AMX Xeon, no bit changed (docs/inference.md).
 
 It runs where `prepare_inference(decode=True)` enabled it, the decode-products kernel was built (the
 layer is compiled into the same extension), the step decodes one token per row without gradients,
@@ -273,7 +273,8 @@ torch::Tensor layer(torch::Tensor x, const std::vector<torch::Tensor>& ws, torch
       sc.resize(g * L);
       // The next task's keys and values (when this thread runs it), brought into L2 (`Ahead`) a few
       // lines a step of this task's scores and values, spread over its work: the keys and values are
-      // read cold (docs/inference.md), and a task's own reads did not keep the memory busy.
+      // read cold, and a task that waited on its own read them at about half a plain stream's rate
+      // (docs/inference.md).
       Ahead ah;
       Ahead* ahp = nullptr;
       if (g_kv_ahead && t + 1 < t1) {
