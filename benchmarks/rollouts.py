@@ -44,9 +44,10 @@ are one shared prefix (the system prompt and tool schemas every request of an ep
 random tokens here), cached by one request before the batch arrives, as the server has it after an
 episode's first turn. Our engine with shared-prefix attention on (the prefix read once per step for
 all rows: `EngineConfig.shared_prefix_attention`) and off (each row reads its own copy), shared on
-without the fused layer's prefetch of the next attention task's keys and values, and transformers on the same prompts (its cached one-token forwards timed directly:
-`hf_decode_cached`); the bound as above with every row's KV read (the conventional
-decode bound; reading the shared prefix once moves the true floor lower).
+without the fused layer's prefetch of the next attention task's keys and values, and transformers
+on the same prompts (its cached one-token forwards timed directly: `hf_decode_cached`); the bound
+as above with every row's KV read (the conventional decode bound; reading the shared prefix once
+moves the true floor lower).
 """
 
 from __future__ import annotations
@@ -263,8 +264,9 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
     lines = ["`shared on` / `off`: our engine as it serves (decode steps one C++ call a layer, "
              "`kernels/decode_layer.py`), the shared prefix read from one slot for every row that shares it, or each "
              "row reading its own copy; `no KV prefetch`: shared on, without the attention's prefetch of the next "
-             "task's keys and values (`decode_layer.set_kv_prefetch(False)`); `eager layers, shared on`: the same engine with each layer's torch calls "
-             "(`OPENCOMPOSER_DECODE_LAYER=off`) and cascade attention over the shared prefix (`KVCache.decode_attend`).",
+             "task's keys and values (`decode_layer.set_kv_prefetch(False)`); `eager layers, shared on`: the "
+             "same engine with each layer's torch calls (`OPENCOMPOSER_DECODE_LAYER=off`) and cascade attention over "
+             "the shared prefix (`KVCache.decode_attend`).",
              "",
              "| batch | shared on tok/s | shared off tok/s | no KV prefetch tok/s | eager layers, shared on tok/s "
              "| transformers tok/s | on / off | on / no KV prefetch | on / eager layers | on / transformers "
@@ -275,8 +277,8 @@ def context_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str
         ctx = plen + new // 2
         bound = b / max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
         lines.append(f"| {b} | {on:.1f} | {off:.1f} | {nopf:.1f} | {eager:.1f} | {h:.1f} | **{on / off:.2f}x** | "
-                     f"**{on / nopf:.2f}x** | {on / eager:.2f}x | **{on / h:.2f}x** | {bound:.0f} | **{on / bound:.2f}** | "
-                     f"{statistics.median(attn[b]) * 1e3:.1f} |")
+                     f"**{on / nopf:.2f}x** | {on / eager:.2f}x | **{on / h:.2f}x** | {bound:.0f} | "
+                     f"**{on / bound:.2f}** | {statistics.median(attn[b]) * 1e3:.1f} |")
     lines += ["", "Attention: the seconds inside `KVCache.decode_attend` (the cache write and attention over it, all "
               "layers) per decode step of the eager arm, timed around each call (the fused layer does both inside its "
               "one call, so it has no such split)."]
