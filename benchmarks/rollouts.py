@@ -29,10 +29,12 @@ run's wall time the model took.
 Decode: B prompts of 64 random tokens, 32 greedy tokens each; decode tok/s counts the tokens after
 the first (prefill excluded) for our engine as it serves (decode steps of 1-32 rows one C++ call a
 layer, `kernels/decode_layer.py`, its products on the decode kernel, `kernels/decode_products.py`,
-in 16 lanes on a CPU with AVX-512; the head and prefill on oneDNN; q/k/v and gate/up fused, weights
-packed: `model/linear.py`), on a CPU with AVX-512 the same engine on the kernel's 8-lane (AVX2) form,
-the same engine with the eager layers (each layer's ~130 torch calls; products still on the decode
-kernel up to 8 rows), the same engine with every product on oneDNN, the same engine with plain
+in 16 lanes on a CPU with AVX-512, and at 9-32 rows on its AMX form, the head too, on a CPU with
+AMX-BF16; the head otherwise and prefill on oneDNN; q/k/v and gate/up fused, weights packed:
+`model/linear.py`), on a CPU with AMX-BF16 the same engine without the AMX form, on a CPU with
+AVX-512 the same engine on the kernel's 8-lane (AVX2) form, the same engine with the eager layers
+(each layer's ~130 torch calls; products still on the decode kernel up to 8 rows, 32 on the AMX
+form), the same engine with every product on oneDNN, the same engine with plain
 products (not fused, not packed, no decode kernel: oneDNN), the same engine on aten's `F.linear`
 (MKL here), and transformers. The bound: a decode step must read every weight once plus the batch's KV, and do 2
 FLOPs per weight per row; with the memory bandwidth (a float32 sum over 512 MB) and FLOP/s (the
@@ -143,28 +145,34 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
     new, plen = 32, 64
     from opencomposer.kernels import decode_products
 
-    # On a CPU with AVX-512 the kernel runs in 16 lanes; `ours, 8 lanes` is the same engine on its AVX2 kernel.
-    wide = decode_products.set_wide()
-    impls = ("ours",) + (("ours, 8 lanes",) if wide else ()) + (
+    # On a CPU with AVX-512 the kernel runs in 16 lanes; `ours, 8 lanes` is the same engine on its AVX2 kernel
+    # (without the AMX form, as on a CPU with AVX2 only). Where the AMX form runs (9-32 rows), `ours, no AMX` is
+    # the same engine without it.
+    wide, amx = decode_products.set_wide(), decode_products.set_amx()
+    impls = ("ours",) + (("ours, no AMX",) if amx else ()) + (("ours, 8 lanes",) if wide else ()) + (
         "ours, eager layers", "ours on oneDNN", "ours plain", "ours on aten", "transformers")
     res = {(impl, b): [] for impl in impls for b in BATCHES}
 
-    def ours(p, backend, prepared=True, kernel=True, fused=True, lanes16=True):
+    def ours(p, backend, prepared=True, kernel=True, fused=True, lanes16=True, tiles=True):
         before, fused_before = linear.set_backend(backend), decode_layer.set_enabled(fused)
         wide_before = decode_products.set_wide(lanes16 and wide)
+        amx_before = decode_products.set_amx(tiles and amx)
         try:
             return ours_decode(mine, p, new, prepared, kernel=kernel)
         finally:
             linear.set_backend(before)
             decode_layer.set_enabled(fused_before)
             decode_products.set_wide(wide_before)
+            decode_products.set_amx(amx_before)
 
     for r in range(rounds):
         g = torch.Generator().manual_seed(r)
         for b in BATCHES:
             prompts = torch.randint(0, cfg.vocab_size, (b, plen), generator=g)
             order = [("ours", lambda p=prompts: ours(p, "onednn")),
-                     *([("ours, 8 lanes", lambda p=prompts: ours(p, "onednn", lanes16=False))] if wide else []),
+                     *([("ours, no AMX", lambda p=prompts: ours(p, "onednn", tiles=False))] if amx else []),
+                     *([("ours, 8 lanes", lambda p=prompts: ours(p, "onednn", lanes16=False, tiles=False))]
+                       if wide else []),
                      ("ours, eager layers", lambda p=prompts: ours(p, "onednn", fused=False)),
                      ("ours on oneDNN", lambda p=prompts: ours(p, "onednn", kernel=False)),
                      ("ours plain", lambda p=prompts: ours(p, "onednn", prepared=False)),
@@ -173,25 +181,29 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
             for impl, fn in order if r % 2 == 0 else order[::-1]:
                 res[(impl, b)].append(b * (new - 1) / fn())
                 print("decode", impl, b, f"{res[(impl, b)][-1]:.1f} tok/s", flush=True)
+    form = "16 lanes (AVX-512)" if wide else "8 lanes (AVX2)"
     kernel = ("its decode steps one C++ call a layer (`kernels/decode_layer.py`, its products on the decode kernel "
-              f"of `kernels/decode_products.py`, {'16 lanes (AVX-512)' if wide else '8 lanes (AVX2)'}), "
-              "the head and prefill on oneDNN"
+              f"of `kernels/decode_products.py`, {form}"
+              + (", at 9-32 rows its AMX form, the head too" if amx else "") + "), "
+              + ("the head of 1-8 rows and prefill on oneDNN" if amx else "the head and prefill on oneDNN")
               if decode_layer.op() is not None else
               f"oneDNN: the decode kernel was unavailable ({decode_products.unavailable()})")
     lines = [f"`ours` ran {kernel}, q/k/v and gate/up fused and weights packed; "
-             + ("`8 lanes` is the same engine on the kernel's AVX2 form (`decode_products.set_wide(False)`); "
-                if wide else "")
+             + ("`no AMX` is the same engine without the AMX form (`decode_products.set_amx(False)`: 9-32 rows on "
+                f"{form}, the head on oneDNN); " if amx else "")
+             + ("`8 lanes` is the same engine on the kernel's AVX2 form (`decode_products.set_wide(False)`, no AMX "
+                "form); " if wide else "")
              + "`eager layers` is the same engine "
-             "with each layer's torch calls (`OPENCOMPOSER_DECODE_LAYER=off`; products of up to 8 rows still on the "
-             "decode kernel); `on oneDNN` is "
+             "with each layer's torch calls (`OPENCOMPOSER_DECODE_LAYER=off`; products of up to 8 rows"
+             + (" (32 on the AMX form)" if amx else "") + " still on the decode kernel); `on oneDNN` is "
              f"the same engine without the decode kernel (`EngineConfig.decode_kernel` false: every product on "
              f"{linear.backend()}); `plain` is the same engine with none of the three (`fuse_products`, "
              "`pack_weights` and `decode_kernel` false); `on aten` is the same engine on `F.linear` with eager "
              "layers (where none applies).", "",
              "| batch | " + " | ".join(f"{i} tok/s" for i in impls) + " | "
-             + ("ours / 8 lanes | " if wide else "")
+             + ("ours / no AMX | " if amx else "") + ("ours / 8 lanes | " if wide else "")
              + "ours / eager layers | ours / on oneDNN | ours / transformers | roofline bound tok/s | ours / bound |",
-             "|---|" + "---|" * (len(impls) + (5 if wide else 4) + 1)]
+             "|---|" + "---|" * (len(impls) + 4 + int(wide) + int(amx) + 1)]
     for b in BATCHES:
         med = {i: statistics.median(res[(i, b)]) for i in impls}
         o = med["ours"]
@@ -199,6 +211,7 @@ def decode_section(folder: Path, rounds: int, bw: float, fl: float) -> list[str]
         step = max((params * 4 + b * ctx * kv_per_token) / bw, 2 * params * b / fl)
         bound = b / step
         lines.append(f"| {b} | " + " | ".join(f"{med[i]:.1f}" for i in impls) + " | "
+                     + (f"**{o / med['ours, no AMX']:.2f}x** | " if amx else "")
                      + (f"**{o / med['ours, 8 lanes']:.2f}x** | " if wide else "")
                      + f"{o / med['ours, eager layers']:.2f}x | **{o / med['ours on oneDNN']:.2f}x** | "
                      f"**{o / med['transformers']:.2f}x** | {bound:.0f} | **{o / bound:.2f}** |")

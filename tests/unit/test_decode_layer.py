@@ -125,25 +125,60 @@ def test_other_head_shapes_match_the_eager_layers(hd, g):
             assert (out - eager).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("batch", [8, 20])
-def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(models, batch):
-    """Up to 8 rows and past 8 (the products then take the rows in groups of 4). The final hidden
-    states: the head is not the layer's (past 8 rows it runs on oneDNN, whose result depends on
-    the batch)."""
+@pytest.mark.parametrize("batch,amx", [(8, False), (20, False), (20, True)])
+def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(models, batch, amx):
+    """Up to 8 rows and past 8 (the products then take the rows in groups of 4), and on the AMX form
+    (past 8 rows where it runs) whatever else is in a batch of 9-32: its bits are not the 1-8 rows'
+    forms'. The final hidden states: the head is not the layer's (past 8 rows without the AMX form it
+    runs on oneDNN, whose result depends on the batch)."""
     fused, _ = models
+    before = decode_products.set_amx()
+    if amx and not decode_products.set_amx(True):
+        pytest.skip("no AMX form here")
+    if not amx:
+        decode_products.set_amx(False)
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, 300, (batch, 6), generator=g)
     nxt = torch.randint(0, 300, (batch, 1), generator=g)
+    subsets = ((list(range(batch)), [batch - 2], [0, batch - 2, 3]) if not amx else
+               (list(range(batch)), [batch - 2, *range(8)], [0, batch - 2, 3, *range(9, 16)], list(range(batch))[::-1]))
     outs = []
-    with torch.no_grad():
-        for rows in (list(range(batch)), [batch - 2], [0, batch - 2, 3]):
-            cache = fused.new_cache(batch, 16)
-            fused.run(prompts, cache=cache)
-            hidden = fused.run(nxt[rows], cache=cache, rows=rows, logits=False).hidden[:, -1]
-            outs.append(dict(zip(rows, hidden)))
+    try:
+        with torch.no_grad():
+            for rows in subsets:
+                cache = fused.new_cache(batch, 16)
+                fused.run(prompts, cache=cache)
+                hidden = fused.run(nxt[rows], cache=cache, rows=rows, logits=False).hidden[:, -1]
+                outs.append(dict(zip(rows, hidden)))
+    finally:
+        decode_products.set_amx(before)
     for o in outs[1:]:
         for r, v in o.items():
             assert torch.equal(v, outs[0][r]), r
+
+
+@pytest.mark.parametrize("batch", [9, 32])
+def test_past_8_rows_on_the_amx_form_the_logits_match_the_eager_layers(models, batch):
+    """Decode steps of 9-32 rows with the layers' products and the head on the AMX form: each row's
+    logits within float32 rounding of the eager layers' (oneDNN's products), over three steps."""
+    fused, plain = models
+    before = decode_products.set_amx()
+    if not decode_products.set_amx(True):
+        pytest.skip("no AMX form here")
+    g = torch.Generator().manual_seed(4)
+    prompts = torch.randint(0, 300, (batch, 5), generator=g)
+    try:
+        with torch.no_grad():
+            caches = {m: m.new_cache(batch, 16) for m in (fused, plain)}
+            for m, c in caches.items():
+                m.run(prompts, cache=c)
+            for _ in range(3):
+                nxt = torch.randint(0, 300, (batch, 1), generator=g)
+                out = fused.run(nxt, cache=caches[fused]).logits[:, -1]
+                eager = plain.run(nxt, cache=caches[plain]).logits[:, -1]
+                assert (out - eager).abs().max() < 1e-5
+    finally:
+        decode_products.set_amx(before)
 
 
 def test_every_other_forward_stays_on_the_eager_layers(models, monkeypatch):

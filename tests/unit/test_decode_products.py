@@ -1,6 +1,7 @@
-"""The decode-products kernel (`kernels/decode_products.py`): x @ cat(ws).T for 1-8 rows, equal to
-a float64 reference within float32 rounding, the same bits for a row whatever the batch, and None
-wherever it does not apply (so the caller's oneDNN path runs)."""
+"""The decode-products kernel (`kernels/decode_products.py`): x @ cat(ws).T for 1-8 rows (9-32 on the
+AMX form where it runs), equal to a float64 reference within float32 rounding, the same bits for a
+row whatever the batch (within 1-8 rows and, on the AMX form, within 9-32), and None wherever it does
+not apply (so the caller's oneDNN path runs)."""
 
 from __future__ import annotations
 
@@ -75,9 +76,19 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(kernel):
     assert torch.equal(kernel.products(x[5:6], ws)[0], full[5])
 
 
+@pytest.fixture
+def no_amx(kernel):
+    """The 16- and 8-lane forms past 8 rows: the AMX form off for the test (where it runs at all)."""
+    before = kernel.set_amx()
+    kernel.set_amx(False)
+    yield kernel
+    kernel.set_amx(before)
+
+
 @pytest.mark.parametrize("rows", [9, 16, 27])
-def test_past_8_rows_the_op_takes_groups_of_4_with_the_same_bits(kernel, rows):
-    """`products` declines more than 8 rows; the fused decode layer calls the op with up to 32."""
+def test_past_8_rows_the_op_takes_groups_of_4_with_the_same_bits(no_amx, rows):
+    """Without the AMX form `products` declines more than 8 rows; the fused decode layer calls the op
+    with up to 32."""
     torch.manual_seed(rows)
     ws = [torch.randn(301, 579), torch.randn(44, 579)]  # not multiples of the 3 weight rows a block takes
     x = torch.randn(rows, 579)
@@ -87,9 +98,72 @@ def test_past_8_rows_the_op_takes_groups_of_4_with_the_same_bits(kernel, rows):
         assert torch.equal(torch.ops.opencomposer_decode.products(x[r:r + 1], ws)[0], y[r])
 
 
+@pytest.fixture
+def amx():
+    if dp.load() is None:
+        pytest.skip(dp.unavailable() or "kernel unavailable")
+    before = dp.set_amx()
+    if not dp.set_amx(True):
+        pytest.skip("no AMX form here: the CPU lacks AMX-BF16 or AVX-512 BF16, Linux refused the tiles, "
+                    "or the compiler is older than g++ 11")
+    yield dp
+    dp.set_amx(before)
+
+
+@pytest.mark.parametrize("k", [579, 64, 7])
+def test_the_amx_form_equals_the_reference_past_8_rows_with_a_rows_bits_in_any_batch_of_9_to_32(amx, k):
+    """Tails in k (579 = 18 steps of 32 + 3; 7) and in the weight rows (345 = 21 blocks of 16 + 9), a
+    block that spans two weights (row 301), strided rows of x: within float32 rounding of float64, and
+    one row's bits the same in batches of 9, 17 and 32 rows, at the front, the back and the middle."""
+    torch.manual_seed(k)
+    ws = [torch.randn(301, k), torch.randn(44, k)]
+    big = torch.randn(32, 2 * k)
+    x = big[:, :k]
+    y = amx.products(x, ws)
+    assert y is not None and y.shape == (32, 345)
+    assert (y.double() - _ref(x, ws)).abs().max() < 2e-4 * max(1.0, k / 579)
+    for lo, hi in ((0, 9), (23, 32), (5, 22), (0, 17)):
+        assert torch.equal(amx.products(x[lo:hi].contiguous(), ws), y[lo:hi]), (lo, hi)
+    assert amx.products(torch.randn(33, k), ws) is None  # more than 32: oneDNN's batch
+
+
+def test_the_amx_switch_switches(amx):
+    """Off, 9-32 rows run the 16- or 8-lane form (a row's bits as in a batch of 1-8); on, other bits
+    within float32 rounding of them."""
+    torch.manual_seed(2)
+    ws, x = [torch.randn(96, 579)], torch.randn(12, 579)
+    on = torch.ops.opencomposer_decode.products(x, ws)
+    amx.set_amx(False)
+    off = torch.ops.opencomposer_decode.products(x, ws)
+    assert torch.equal(off[3], torch.ops.opencomposer_decode.products(x[3:4], ws)[0])
+    assert not torch.equal(on, off) and (on - off).abs().max() < 2e-4
+    assert amx.products(x, ws) is None  # `products` takes at most 8 rows without it
+    amx.set_amx(True)
+    assert torch.equal(torch.ops.opencomposer_decode.products(x, ws), on)
+
+
+def test_the_environment_turns_the_amx_form_off():
+    """OPENCOMPOSER_DECODE_AMX=off: a process that builds (here: loads the built) kernel starts with
+    it off, and 9-row products stay with the caller."""
+    import os
+    import subprocess
+    import sys
+
+    if dp.load() is None or not dp.set_amx():
+        pytest.skip("no AMX form here to turn off")
+    code = ("import torch; from opencomposer.kernels import decode_products as dp; assert dp.load() is not None; "
+            "print(dp.set_amx(), dp.products(torch.randn(9, 16), [torch.randn(4, 16)]) is None)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENCOMPOSER_DECODE_AMX": "off"},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"]
+
+
 def test_it_declines_what_it_does_not_do(kernel):
     w = torch.randn(16, 32)
-    assert kernel.products(torch.randn(9, 32), [w]) is None  # more than 8 rows: oneDNN's batch
+    # more than 8 rows (32 on the AMX form): oneDNN's batch
+    assert (kernel.products(torch.randn(9, 32), [w]) is None) == (not kernel.set_amx())
+    assert kernel.products(torch.randn(33, 32), [w]) is None
     assert kernel.products(torch.randn(2, 32, dtype=torch.float64), [w.double()]) is None
     assert kernel.products(torch.randn(2, 32), [w.t().contiguous().t()]) is None  # columns not contiguous
     before = kernel.set_enabled(False)
@@ -102,7 +176,7 @@ def test_it_declines_what_it_does_not_do(kernel):
 
 def test_where_it_cannot_be_built_products_stay_with_the_caller(monkeypatch):
     """No AVX2 (or no compiler): load() says why, products() declines, and the caller's oneDNN runs."""
-    monkeypatch.setattr(dp, "_state", {"op": None, "tried": False, "why": None, "enabled": None})
+    monkeypatch.setattr(dp, "_state", {"op": None, "tried": False, "why": None, "enabled": None, "amx": False})
     monkeypatch.setattr(dp, "_cpu_has_avx2", lambda: False)
     assert dp.load() is None and "AVX2" in dp.unavailable()
     assert dp.products(torch.randn(2, 32), [torch.randn(16, 32)]) is None

@@ -41,20 +41,22 @@ def recomputed_logprobs(model, seq, temperature):
 
 
 @pytest.mark.parametrize("make", [llama, moe], ids=["llama", "moe"])
-def test_batched_sampling_matches_a_training_forward(make):
+@pytest.mark.parametrize("scale", [1, 2], ids=["6 rows", "12 rows"])
+def test_batched_sampling_matches_a_training_forward(make, scale):
     """The train/serve numerics check: logprobs from ragged batched decoding equal a training-mode
-    forward over the same tokens."""
+    forward over the same tokens; at 12 rows the decode kernel's products take more than 8 rows (on
+    the AMX form where it runs)."""
     model = make()
-    engine = Engine(model, config=EngineConfig(slots=6, max_len=64))
+    engine = Engine(model, config=EngineConfig(slots=6 * scale, max_len=64))
     seqs = []
     for n, length in ((2, 5), (1, 11), (3, 2)):
         seqs += engine.submit(torch.randint(0, 512, (length,)).tolist(), SamplingParams(temperature=0.7, max_tokens=9,
-                                                                                         seed=3), n=n)
+                                                                                         seed=3), n=n * scale)
     run_all(engine)
     for s in seqs:
         assert s.finish_reason == "length" and len(s.tokens) == 9 and s.versions == [0] * 9
         assert (recomputed_logprobs(model, s, 0.7) - torch.tensor(s.logprobs)).abs().max() < 1e-4
-    assert sorted(engine._free) == list(range(6)) and not engine._running
+    assert sorted(engine._free) == list(range(6 * scale)) and not engine._running
 
 
 def test_moe_experts_replay_through_the_model():

@@ -1,6 +1,8 @@
 """Decode-sized float32 products on an x86 CPU: `x @ cat(w_1, ..., w_n).T` for 1-8 rows of x, in a
 small AVX2 kernel compiled on first use (`torch.utils.cpp_extension`, g++ and ninja), with a 16-lane
-form of it chosen at run time on CPUs with AVX-512F (`set_wide`).
+form of it chosen at run time on CPUs with AVX-512F (`set_wide`), and, for 9-32 rows on CPUs with
+AMX-BF16 (Intel Xeon since Sapphire Rapids), a form on the tile unit (`set_amx`, below; its source
+in `decode_amx.py`).
 
 Why: a decode step multiplies a handful of rows (one per running sequence) by every weight of the
 model, so it is a stream over the weights, and its speed is how fast they are read. On this
@@ -28,17 +30,32 @@ the wide form), then summed across the lanes; the same bits for a row whatever e
 (for 1-8 rows, and past 8 in the op), and within float32 rounding of oneDNN's
 (tests/unit/test_decode_products.py). The two forms give different bits, so a process uses one.
 
-Where it does not apply it says so with None, and the caller uses oneDNN: more than 8 rows, not
-float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first failure is logged once), or
-`OPENCOMPOSER_DECODE_PRODUCTS=off`. The build lands in torch's extension folder
+The AMX form (9-32 rows; on by default where the CPU has AMX-BF16 and AVX-512 BF16, Linux grants
+the process the tiles and g++ 11 or later builds them; `OPENCOMPOSER_DECODE_AMX=off` or
+`set_amx(False)` turns it off): at 9-32 rows the 16-lane form is bound by arithmetic on such a CPU.
+Each float32 of x and w is split by truncation into three bfloat16 limbs that sum back to it
+exactly, and the six limb products whose orders add to at most 2 are accumulated in float32 by the
+tile unit: within float32 rounding of a float64 reference (2-3x the 16-lane form's distance from it
+in tests/unit/test_decode_products.py), the same bits for a row whatever else is in a batch of 9-32
+rows, but not the bits the same row gets in a batch of 1-8 (the other forms). The weights are read
+as they are stored, once, and split on the fly (no second copy). On the AMX Xeon, SmolLM2's 30
+layers of products took 23.0 / 23.0 / 27.5 / 28.5 ms at 9 / 16 / 24 / 32 rows against the 16-lane
+form's 25.2 / 29.6 / 36.6 / 42.4 (1.10-1.49x; weights read cold, a scratch script, 7 rounds,
+medians; docs/inference.md). Where it runs, `products` takes up to 32 rows (the head of a decode
+step, and products outside the fused layer).
+
+Where it does not apply it says so with None, and the caller uses oneDNN: more than 8 rows (32
+where the AMX form runs), not float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first
+failure is logged once), or `OPENCOMPOSER_DECODE_PRODUCTS=off`. The build lands in torch's extension folder
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a lock, so processes that start
 together (a test session and the servers it starts) build it once; in a folder of its own per Python
 environment, since torch rebuilds an extension whose flags changed and the flags name the
 environment's include paths (two checkouts' venvs sharing one folder rebuilt it, ~1 min, each time
 the other had run). The same extension holds the fused decode layer (`decode_layer.py`), which calls
-the kernel from C++. The C++ op also takes more than 8 rows (groups of 4 against one L2-sized tile
-of weight rows): `products` never sends it more, but the fused layer does, for decode steps of 9-32
-rows (tests/unit/test_decode_products.py checks that path too, in both forms).
+the kernel from C++. The C++ op also takes more than 8 rows on the 16- and 8-lane forms (groups of 4
+against one L2-sized tile of weight rows): `products` sends it more only where the AMX form runs,
+but the fused layer does, for decode steps of 9-32 rows (tests/unit/test_decode_products.py checks
+that path too, in each form).
 """
 
 from __future__ import annotations
@@ -54,6 +71,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
+AMX_ROWS = 32  # the most rows `products` takes where the AMX form runs (`set_amx`)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -185,6 +203,7 @@ static void rows16_of(const float* x, int64_t sx, const float* w, int64_t sw, fl
 
 #pragma GCC pop_options
 
+
 // B rows on one of the two forms: rows_of<B> (8 lanes) or rows16_of<B> (16)
 #define OC_ROWS(n) (w16 ? rows16_of<n> : rows_of<n>)(x, sx, w, sw, y, sy, K, n0, n1, ah)
 static void chunk(bool w16, int64_t B, const float* x, int64_t sx, const float* w, int64_t sw, float* y,
@@ -239,6 +258,12 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t sx = x.stride(0);
+#ifdef OC_AMX
+  if (B > 8 && B <= 32 && N > 0 && amx_on()) {
+    oc_amx::products(xp, sx, B, K, ptrs, strides, starts, yp);
+    return y;
+  }
+#endif
   // Threads split the weight rows. Within a thread, a tile of weight rows small enough to stay in
   // L2 meets every group of input rows before the next tile is read: more than 8 rows read the
   // weights from memory once, in groups of 4 (fewer loads per FMA than groups of 8, and at 9-32 rows
@@ -291,12 +316,13 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
 TORCH_LIBRARY(opencomposer_decode, m) {
   m.def("products(Tensor x, Tensor[] ws) -> Tensor");
   m.def("set_wide(int on) -> int", &set_wide);
+  m.def("set_amx(int on) -> int", &set_amx);
 }
 TORCH_LIBRARY_IMPL(opencomposer_decode, CPU, m) { m.impl("products", &products); }
 """
 
 _lock = threading.Lock()
-_state: dict = {"op": None, "tried": False, "why": None, "enabled": None}
+_state: dict = {"op": None, "tried": False, "why": None, "enabled": None, "amx": False}
 
 
 def _cpu_has_avx2() -> bool:
@@ -340,6 +366,18 @@ def set_wide(on: bool | None = None) -> bool:
     return bool(torch.ops.opencomposer_decode.set_wide(-1 if on is None else int(bool(on))))
 
 
+def set_amx(on: bool | None = None) -> bool:
+    """Whether the op's products of 9-32 rows (the fused decode layer's) run on the AMX form, after
+    choosing it (on: only where the CPU has AMX-BF16 and AVX-512 BF16, Linux grants the tiles and the
+    compiler knows them) or, with None, only asking; False where the kernel is not built. On by
+    default where it can run, unless OPENCOMPOSER_DECODE_AMX=off."""
+    op = load()
+    if op is None:
+        return False
+    _state["amx"] = bool(torch.ops.opencomposer_decode.set_amx(-1 if on is None else int(bool(on))))
+    return _state["amx"]
+
+
 def unavailable() -> str | None:
     """Why the kernel is not available in this process (None: it is, or it was not asked for yet)."""
     return _state["why"]
@@ -361,13 +399,16 @@ def _build():
         except ImportError:
             pass
 
-        from opencomposer.kernels import decode_layer
+        from opencomposer.kernels import decode_amx, decode_layer
 
         env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
         # one extension for both: the fused decode layer (`decode_layer.py`) runs its products on this kernel
-        load_inline(name=f"opencomposer_decode_products_{env}", cpp_sources=[_SOURCE, decode_layer.SOURCE],
+        load_inline(name=f"opencomposer_decode_products_{env}",
+                    cpp_sources=[decode_amx.SOURCE, _SOURCE, decode_layer.SOURCE],
                     is_python_module=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        off = os.environ.get("OPENCOMPOSER_DECODE_AMX", "on").lower() in ("off", "0", "false")
+        _state["amx"] = bool(torch.ops.opencomposer_decode.set_amx(0 if off else -1))
         return torch.ops.opencomposer_decode.products
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN keeps every product
         _state["why"] = f"could not build the decode-products kernel ({type(e).__name__}: {str(e)[:300]})"
@@ -376,17 +417,18 @@ def _build():
 
 
 def products(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor | None:
-    """`x @ cat(ws).T` for x (..., K) with at most 8 rows, or None where the kernel does not apply
-    (module docstring). No autograd: the caller runs it only where no gradient flows."""
+    """`x @ cat(ws).T` for x (..., K) with at most 8 rows (32 where the AMX form runs: `set_amx`), or
+    None where the kernel does not apply (module docstring). No autograd: the caller runs it only
+    where no gradient flows."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not (1 <= rows <= MAX_ROWS) or not enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+    if not (1 <= rows <= AMX_ROWS) or not enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     if any(w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] != k
            or w.stride(1) != 1 or w.is_mkldnn for w in ws):
         return None
     op = load()
-    if op is None:
+    if op is None or (rows > MAX_ROWS and not _state.get("amx")):
         return None
     x2 = x.reshape(rows, k)
     if x2.stride(1) != 1:

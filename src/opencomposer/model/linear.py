@@ -29,9 +29,9 @@ about 540 MB for SmolLM2-135M in float32), built on first use and rebuilt whenev
 storage or version changes (an in-place update or an optimizer step bumps the version), so they
 never serve stale weights. And with `decode` (on in the engine: `EngineConfig.decode_kernel`), a
 product of at most 8 rows (a decode step) runs on `kernels/decode_products.py`'s AVX2 kernel (in
-16 lanes where the CPU has AVX-512F) over the weights as they are (the fused ones side by side, no
-copy), which reads them faster than oneDNN does at those sizes on an AVX2-only CPU; where it cannot
-run, the oneDNN path above does. Measured
+16 lanes where the CPU has AVX-512F; of up to 32 rows on its AMX form where the CPU has AMX-BF16)
+over the weights as they are (the fused ones side by side, no copy), which reads them faster than
+oneDNN does at those sizes on an AVX2-only CPU; where it cannot run, the oneDNN path above does. Measured
 in `benchmarks/rollouts.py --part decode` (docs/benchmarks.md).
 """
 
@@ -200,9 +200,9 @@ def prepare_inference(model: nn.Module, *, fuse: bool = True, pack: int | None =
     """Set up `model` for an inference engine (module docstring): with `fuse`, every module that
     names weights to fuse (a `FUSE` tuple of sub-module names) gets its `FusedProducts`; with
     `pack` (the batch size to pack for), every `Linear` and fused product uses packed weights; with
-    `decode`, their products of at most 8 rows run on the decode kernel, built here (not in the
-    first decode step) where it is not built yet, packing for at most 8 rows is skipped, and a model
-    with `fused_decode` runs its decode steps of 1-32 rows one C++ call a layer
+    `decode`, their products of at most 8 rows (32 on its AMX form) run on the decode kernel, built
+    here (not in the first decode step) where it is not built yet, packing for at most 8 rows is
+    skipped, and a model with `fused_decode` runs its decode steps of 1-32 rows one C++ call a layer
     (`kernels/decode_layer.py`; "layers" counts such models). Calling
     it again replaces the previous set-up (fuse=False, pack=None, decode=False: the plain model).
     Returns how many modules got each ("decode": 0 where the kernel is unavailable, for the reason

@@ -1,0 +1,291 @@
+"""The decode-products kernel's AMX form (`decode_products.set_amx`): products of 9-32 rows on CPUs
+with AMX-BF16 (Intel Xeon since Sapphire Rapids), within float32 rounding through bfloat16 limbs.
+C++ source only, compiled into the same extension as `decode_products.py` and ahead of it (its
+`products` op calls `oc_amx::products` where `amx_on()`); the comments below say how and why, and
+docs/inference.md what was measured.
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <vector>
+#include <algorithm>
+#include <cstring>
+#include <atomic>
+// ---- The AMX form: 9-32 rows on CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids) ----
+// At 9-32 rows the 16-lane form is bound by arithmetic on such a CPU, and its weight stream and its
+// FMAs take turns (docs/inference.md). The tile unit multiplies bfloat16 pairs into float32 at many
+// times AVX-512's rate, so the products go there, exactly enough for float32: each float is split
+// by truncation into three bfloat16 limbs, hi + mid + lo, that sum back to it exactly (8 + 8 + 8
+// bits of its 24; outside the normal range the lo limb flushes to zero), and of the nine products
+// of an x limb and a w limb the six whose orders add to at most 2 are accumulated (the other three
+// are below float32's rounding of the sum), each exact in float32. Every weight is read once, in
+// float32 as it is stored, and split on the fly: no second copy of the model.
+// Layout: a tile of 16 weight rows x 32 k (the weights' own row-major order, as bfloat16 limbs)
+// times a tile of x's limbs (16 k-pairs x 16 rows of x, built once a call: the VNNI order the unit
+// takes) gives 16 weight rows x 16 rows of x; one or two such accumulators (9-16 or 17-32 rows).
+// Numerics: an output is the six limb products of each 32-wide step of k accumulated by the tile
+// unit in float32, step after step in order: the same bits for a row whatever else is in a batch of
+// 9-32 rows, but not the 16- or 8-lane forms' bits (those run 1-8 rows). Non-finite inputs give NaN.
+#if defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define OC_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
+namespace oc_amx {
+
+struct Config {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// every tile 16 rows of 64 bytes: tiles 0-1 accumulate, 2-4 hold the weight limbs, 5-6 x's
+static inline void tiles_on() {
+  Config c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// three bfloat16 limbs of 32 floats (the first `n` of them where n < 32, zeros after), in order
+template <bool TAIL>
+static inline void limbs(const float* p, int n, __m512i& h, __m512i& m, __m512i& l) {
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 a, b;
+  if (TAIL) {
+    a = _mm512_maskz_loadu_ps(__mmask16(n >= 16 ? 0xFFFF : (1u << n) - 1), p);
+    b = _mm512_maskz_loadu_ps(__mmask16(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0), p + 16);
+  } else {
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  }
+  const __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top));
+  const __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), top));
+  const __m512 ar = _mm512_sub_ps(a, ah), br = _mm512_sub_ps(b, bh);  // exact
+  const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(ar), top));
+  const __m512 bm = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(br), top));
+  const __m512 al = _mm512_sub_ps(ar, am), bl = _mm512_sub_ps(br, bm);  // exact, 8 bits at most
+  // each value already a bfloat16: the conversion's rounding changes nothing
+  h = (__m512i)_mm512_cvtne2ps_pbh(bh, ah);
+  m = (__m512i)_mm512_cvtne2ps_pbh(bm, am);
+  l = (__m512i)_mm512_cvtne2ps_pbh(bl, al);
+}
+
+// 16x16 transpose of 32-bit units held in 16 registers
+static inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// the six limb products of one step into accumulator C, the weight limbs in tiles 2-4 (hi, mid,
+// lo), x's limbs at t (hi, mid, lo: 16 registers each), the smallest products first: w_hi x_lo,
+// w_mid x_mid, w_hi x_mid, w_lo x_hi, w_mid x_hi, w_hi x_hi. A macro: g++'s tile intrinsics paste
+// their tile numbers into the assembly, so they must be literal digits.
+#define OC_SIX(C, t)                     \
+  do {                                   \
+    _tile_loadd(5, (t) + 2 * 16, 64);    \
+    _tile_dpbf16ps(C, 2, 5);             \
+    _tile_loadd(6, (t) + 16, 64);        \
+    _tile_dpbf16ps(C, 3, 6);             \
+    _tile_dpbf16ps(C, 2, 6);             \
+    _tile_loadd(5, (t), 64);             \
+    _tile_dpbf16ps(C, 4, 5);             \
+    _tile_dpbf16ps(C, 3, 5);             \
+    _tile_dpbf16ps(C, 2, 5);             \
+  } while (0)
+
+// The CPU has the tile unit and AVX-512 BF16, and Linux lets this process use the tiles.
+static bool usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx = (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+  if (!amx || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a >> 5 & 1)) return false;  // AVX512_BF16
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: once for the whole process, its threads included
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+// Steps of k ahead that a step's weight lines are fetched into L2 (4: 31 against 32-34 ms for
+// SmolLM2's layer products at 32 rows on the AMX Xeon, and 2-17 within that; one block ahead as
+// the 16-lane form does: 33-35).
+constexpr int kAhead = 4;
+
+// y (M, N) = x (M, K) @ cat(w).T for 9 <= M <= 32, the weights as `products` gathers them
+static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std::vector<const float*>& ptrs,
+                     const std::vector<int64_t>& strides, const std::vector<int64_t>& starts, float* y) {
+  const int64_t N = starts.back(), G = (M + 15) / 16, S = (K + 31) / 32, NB = (N + 15) / 16;
+  const int last = int(K - (S - 1) * 32);  // k in the last step, 1-32
+  // x's limbs as tiles, xt[s][g][limb]: 16 k-pairs x 16 rows, 32-bit units (a pair of bfloat16)
+  // (torch's CPU allocator aligns to 64 bytes; a std::vector of __m512i need not, and the
+  // stores below are aligned)
+  auto xt_store = torch::empty({S * G * 3 * 16 * 16}, torch::dtype(torch::kInt32));
+  __m512i* xt = reinterpret_cast<__m512i*>(xt_store.data_ptr<int32_t>());
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t s = 0; s < S; ++s) {
+      __m512i r[3][16];
+      for (int m = 0; m < 16; ++m) {
+        const int64_t row = g * 16 + m;
+        if (row >= M)
+          r[0][m] = r[1][m] = r[2][m] = _mm512_setzero_si512();
+        else if (s + 1 < S || last == 32)
+          limbs<false>(x + row * sx + s * 32, 32, r[0][m], r[1][m], r[2][m]);
+        else
+          limbs<true>(x + row * sx + s * 32, last, r[0][m], r[1][m], r[2][m]);
+      }
+      for (int li = 0; li < 3; ++li) {
+        transpose16(r[li]);
+        for (int i = 0; i < 16; ++i) xt[((s * G + g) * 3 + li) * 16 + i] = r[li][i];
+      }
+    }
+  const int64_t Nw = int64_t(ptrs.size());
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    tiles_on();
+    alignas(64) uint16_t wl[2][3][16 * 32];  // a step's weight limbs, two steps in turn
+    alignas(64) float acc[2][2][16 * 16];    // a block's accumulators, stored for `flush`
+    const float* rows[2][16];                // a block's weight rows (nullptr past N)
+    auto rows_of = [&](int64_t blk, const float** rp) {
+      int64_t i = 0;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t n = blk * 16 + r;
+        if (n >= N) {
+          rp[r] = nullptr;
+          continue;
+        }
+        while (i + 1 < Nw && starts[i + 1] <= n) ++i;
+        rp[r] = ptrs[i] + (n - starts[i]) * strides[i];
+      }
+    };
+    // weight step s of the rows `rp` into limb buffer `buf`; lines kAhead steps on (in `pn`'s
+    // rows past the block's end) into L2 meanwhile
+    auto split = [&](const float* const* rp, int64_t s, uint16_t (*buf)[16 * 32], const float* const* pn,
+                     int64_t sp) {
+      const bool tail = s + 1 == S && last < 32;
+      for (int r = 0; r < 16; ++r) {
+        if (pn && pn[r]) {
+          const char* q = reinterpret_cast<const char*>(pn[r] + sp * 32);
+          _mm_prefetch(q, _MM_HINT_T1);
+          _mm_prefetch(q + 64, _MM_HINT_T1);
+        }
+        __m512i h, m, l;
+        if (!rp[r])
+          h = m = l = _mm512_setzero_si512();
+        else if (tail)
+          limbs<true>(rp[r] + s * 32, last, h, m, l);
+        else
+          limbs<false>(rp[r] + s * 32, 32, h, m, l);
+        _mm512_store_si512(&buf[0][r * 32], h);
+        _mm512_store_si512(&buf[1][r * 32], m);
+        _mm512_store_si512(&buf[2][r * 32], l);
+      }
+    };
+    // a finished block's rows of y, from its stored accumulators (16 weight rows x 16 rows of x)
+    auto flush = [&](int64_t blk) {
+      const int64_t n0 = blk * 16;
+      const __mmask16 cols = __mmask16(N - n0 >= 16 ? 0xFFFF : (1u << (N - n0)) - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(acc[blk & 1][g] + i * 16);
+        transpose16(r);  // r[m]: outputs n0..n0+15 of x's row g*16+m
+        for (int64_t m = 0; m < std::min<int64_t>(16, M - g * 16); ++m)
+          _mm512_mask_storeu_epi32(y + (g * 16 + m) * N + n0, cols, r[m]);
+      }
+    };
+    rows_of(b0, rows[b0 & 1]);
+    if (b0 + 1 < b1) rows_of(b0 + 1, rows[(b0 + 1) & 1]);
+    split(rows[b0 & 1], 0, wl[0], nullptr, 0);
+    int64_t pending = -1, at = 0;  // at: steps done, whose parity picks the limb buffer
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const float* const* cur = rows[blk & 1];
+      const float* const* nxt = blk + 1 < b1 ? rows[(blk + 1) & 1] : nullptr;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t s = 0; s < S; ++s, ++at) {
+        // the next step's limbs while the tile unit works on this one's (their stores finish
+        // before the unit loads them, a step later)
+        if (s + 1 < S) {
+          const int64_t sp = s + 1 + kAhead;
+          split(cur, s + 1, wl[(at + 1) & 1], sp < S ? cur : nxt, sp < S ? sp : sp - S);
+        } else if (nxt) {
+          split(nxt, 0, wl[(at + 1) & 1], nxt, std::min<int64_t>(kAhead, S - 1));
+        }
+        uint16_t (*w)[16 * 32] = wl[at & 1];
+        _tile_loadd(2, w[0], 64);
+        _tile_loadd(3, w[1], 64);
+        _tile_loadd(4, w[2], 64);
+        const __m512i* t = xt + (s * G) * 3 * 16;
+        OC_SIX(0, t);
+        if (G > 1) OC_SIX(1, t + 3 * 16);
+        // the previous block's rows of y, a few steps after its accumulators were stored: read
+        // back at once, the stores stalled the loop (~1,500 cycles a block in a scratch build)
+        if (s == std::min<int64_t>(2, S - 1) && pending >= 0) {
+          flush(pending);
+          pending = -1;
+        }
+      }
+      if (pending >= 0) flush(pending);
+      _tile_stored(0, acc[blk & 1][0], 64);
+      if (G > 1) _tile_stored(1, acc[blk & 1][1], 64);
+      pending = blk;
+      if (blk + 2 < b1) rows_of(blk + 2, rows[blk & 1]);
+    }
+    if (pending >= 0) flush(pending);
+    _tile_release();
+  });
+}
+
+}  // namespace oc_amx
+#undef OC_SIX
+#pragma GCC pop_options
+#endif
+
+// Whether 9-32 rows run on the AMX form: -1 not chosen yet, then 0 or 1 (atomic, as g_wide below).
+static std::atomic<int> g_amx{-1};
+static bool amx_on() {
+#ifdef OC_AMX
+  if (g_amx < 0) g_amx = oc_amx::usable() ? 1 : 0;
+  return g_amx == 1;
+#else
+  return false;
+#endif
+}
+
+// on: 1 or 0 to choose (1 only where the CPU and the kernel allow it), -1 to ask; returns the choice in force.
+int64_t set_amx(int64_t on) {
+#ifdef OC_AMX
+  static const bool can = oc_amx::usable();
+  if (on >= 0) g_amx = (on && can) ? 1 : 0;
+#endif
+  return amx_on() ? 1 : 0;
+}
+"""
