@@ -14,8 +14,8 @@ SOURCE = r"""
 #include <cstring>
 #include <atomic>
 // ---- The AMX form: 9-32 rows on CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids) ----
-// At 9-32 rows the 16-lane form is bound by arithmetic on such a CPU, and its weight stream and its
-// FMAs take turns (docs/inference.md). The tile unit multiplies bfloat16 pairs into float32 at many
+// At 9-32 rows the 16-lane form's FMAs take about as long as its weight stream on such a CPU, and
+// the two take turns (docs/inference.md). The tile unit multiplies bfloat16 pairs into float32 at many
 // times AVX-512's rate, so the products go there, exactly enough for float32: each float is split
 // by truncation into three bfloat16 limbs, hi + mid + lo, that sum back to it exactly (8 + 8 + 8
 // bits of its 24; outside the normal range the lo limb flushes to zero), and of the nine products
@@ -136,9 +136,9 @@ static bool usable() {
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
-// Steps of k ahead that a step's weight lines are fetched into L2 (4: 31 against 32-34 ms for
-// SmolLM2's layer products at 32 rows on the AMX Xeon, and 2-17 within that; one block ahead as
-// the 16-lane form does: 33-35).
+// Steps of k ahead that a step's weight lines are fetched into L2 (SmolLM2's layer products at 32
+// rows on the AMX Xeon, scratch runs: 31.1-32.4 ms at 2-17 steps ahead, 32.7-35.3 one block of rows
+// ahead as the 16-lane form fetches, 47-51 with no prefetch).
 constexpr int kAhead = 4;
 
 // y (M, N) = x (M, K) @ cat(w).T for 9 <= M <= 32, the weights as `products` gathers them
@@ -246,8 +246,8 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
         const __m512i* t = xt + (s * G) * 3 * 16;
         OC_SIX(0, t);
         if (G > 1) OC_SIX(1, t + 3 * 16);
-        // the previous block's rows of y, a few steps after its accumulators were stored: read
-        // back at once, the stores stalled the loop (~1,500 cycles a block in a scratch build)
+        // the previous block's rows of y, a few steps after its accumulators were stored rather
+        // than at once (no measurable gain in a scratch build, and no cost)
         if (s == std::min<int64_t>(2, S - 1) && pending >= 0) {
           flush(pending);
           pending = -1;

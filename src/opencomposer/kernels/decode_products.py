@@ -27,12 +27,13 @@ medians): 21.2 / 29.8 / 41.8 / 66.8 ms at 1 / 8 / 16 / 32 rows against AVX2's 23
 
 Numerics: every output is one dot product accumulated over k in order in 8 float32 lanes (16 in
 the wide form), then summed across the lanes; the same bits for a row whatever else is in the batch
-(for 1-8 rows, and past 8 in the op), and within float32 rounding of oneDNN's
+(for 1-8 rows, and past 8 in the op in these two forms), and within float32 rounding of oneDNN's
 (tests/unit/test_decode_products.py). The two forms give different bits, so a process uses one.
 
 The AMX form (9-32 rows; on by default where the CPU has AMX-BF16 and AVX-512 BF16, Linux grants
 the process the tiles and g++ 11 or later builds them; `OPENCOMPOSER_DECODE_AMX=off` or
-`set_amx(False)` turns it off): at 9-32 rows the 16-lane form is bound by arithmetic on such a CPU.
+`set_amx(False)` turns it off): at 9-32 rows the 16-lane form's FMAs take about as long as its
+weight stream on such a CPU, and the two take turns (docs/inference.md).
 Each float32 of x and w is split by truncation into three bfloat16 limbs that sum back to it
 exactly, and the six limb products whose orders add to at most 2 are accumulated in float32 by the
 tile unit: within float32 rounding of a float64 reference (2-3x the 16-lane form's distance from it
@@ -53,9 +54,9 @@ environment, since torch rebuilds an extension whose flags changed and the flags
 environment's include paths (two checkouts' venvs sharing one folder rebuilt it, ~1 min, each time
 the other had run). The same extension holds the fused decode layer (`decode_layer.py`), which calls
 the kernel from C++. The C++ op also takes more than 8 rows on the 16- and 8-lane forms (groups of 4
-against one L2-sized tile of weight rows): `products` sends it more only where the AMX form runs,
-but the fused layer does, for decode steps of 9-32 rows (tests/unit/test_decode_products.py checks
-that path too, in each form).
+against one L2-sized tile of weight rows): `products` sends it more than 8 only where the AMX form
+runs, the fused layer in every form, for decode steps of 9-32 rows (tests/unit/test_decode_products.py
+checks that path too, in each form).
 """
 
 from __future__ import annotations
@@ -202,7 +203,6 @@ static void rows16_of(const float* x, int64_t sx, const float* w, int64_t sw, fl
 }
 
 #pragma GCC pop_options
-
 
 // B rows on one of the two forms: rows_of<B> (8 lanes) or rows16_of<B> (16)
 #define OC_ROWS(n) (w16 ? rows16_of<n> : rows_of<n>)(x, sx, w, sw, y, sy, K, n0, n1, ah)
@@ -367,10 +367,10 @@ def set_wide(on: bool | None = None) -> bool:
 
 
 def set_amx(on: bool | None = None) -> bool:
-    """Whether the op's products of 9-32 rows (the fused decode layer's) run on the AMX form, after
-    choosing it (on: only where the CPU has AMX-BF16 and AVX-512 BF16, Linux grants the tiles and the
-    compiler knows them) or, with None, only asking; False where the kernel is not built. On by
-    default where it can run, unless OPENCOMPOSER_DECODE_AMX=off."""
+    """Whether products of 9-32 rows (the fused decode layer's, and `products`' own: the head's) run on
+    the AMX form, after choosing it (on: only where the CPU has AMX-BF16 and AVX-512 BF16, Linux
+    grants the tiles and the compiler knows them) or, with None, only asking; False where the kernel
+    is not built. On by default where it can run, unless OPENCOMPOSER_DECODE_AMX=off."""
     op = load()
     if op is None:
         return False
