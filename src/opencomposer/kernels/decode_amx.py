@@ -125,7 +125,7 @@ static inline void transpose16(__m512i* r) {
   } while (0)
 
 // The CPU has the tile unit and AVX-512 BF16, and Linux lets this process use the tiles.
-static bool usable() {
+static bool probe() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool amx = (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
@@ -134,6 +134,10 @@ static bool usable() {
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
   // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: once for the whole process, its threads included
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+static bool usable() {
+  static const bool ok = probe();  // asked once a process
+  return ok;
 }
 
 // Steps of k ahead that a step's weight lines are fetched into L2 (SmolLM2's layer products at 32
@@ -172,7 +176,7 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
     tiles_on();
     alignas(64) uint16_t wl[2][3][16 * 32];  // a step's weight limbs, two steps in turn
-    alignas(64) float acc[2][2][16 * 16];    // a block's accumulators, stored for `flush`
+    alignas(64) float acc[2][16 * 16];       // a block's accumulators, stored for `flush`
     const float* rows[2][16];                // a block's weight rows (nullptr past N)
     auto rows_of = [&](int64_t blk, const float** rp) {
       int64_t i = 0;
@@ -215,7 +219,7 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
       const __mmask16 cols = __mmask16(N - n0 >= 16 ? 0xFFFF : (1u << (N - n0)) - 1);
       for (int64_t g = 0; g < G; ++g) {
         __m512i r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(acc[blk & 1][g] + i * 16);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(acc[g] + i * 16);
         transpose16(r);  // r[m]: outputs n0..n0+15 of x's row g*16+m
         for (int64_t m = 0; m < std::min<int64_t>(16, M - g * 16); ++m)
           _mm512_mask_storeu_epi32(y + (g * 16 + m) * N + n0, cols, r[m]);
@@ -224,7 +228,7 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
     rows_of(b0, rows[b0 & 1]);
     if (b0 + 1 < b1) rows_of(b0 + 1, rows[(b0 + 1) & 1]);
     split(rows[b0 & 1], 0, wl[0], nullptr, 0);
-    int64_t pending = -1, at = 0;  // at: steps done, whose parity picks the limb buffer
+    int64_t at = 0;  // steps done, whose parity picks the limb buffer
     for (int64_t blk = b0; blk < b1; ++blk) {
       const float* const* cur = rows[blk & 1];
       const float* const* nxt = blk + 1 < b1 ? rows[(blk + 1) & 1] : nullptr;
@@ -246,20 +250,12 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
         const __m512i* t = xt + (s * G) * 3 * 16;
         OC_SIX(0, t);
         if (G > 1) OC_SIX(1, t + 3 * 16);
-        // the previous block's rows of y, a few steps after its accumulators were stored rather
-        // than at once (no measurable gain in a scratch build, and no cost)
-        if (s == std::min<int64_t>(2, S - 1) && pending >= 0) {
-          flush(pending);
-          pending = -1;
-        }
       }
-      if (pending >= 0) flush(pending);
-      _tile_stored(0, acc[blk & 1][0], 64);
-      if (G > 1) _tile_stored(1, acc[blk & 1][1], 64);
-      pending = blk;
+      _tile_stored(0, acc[0], 64);
+      if (G > 1) _tile_stored(1, acc[1], 64);
+      flush(blk);
       if (blk + 2 < b1) rows_of(blk + 2, rows[blk & 1]);
     }
-    if (pending >= 0) flush(pending);
     _tile_release();
   });
 }
@@ -283,8 +279,7 @@ static bool amx_on() {
 // on: 1 or 0 to choose (1 only where the CPU and the kernel allow it), -1 to ask; returns the choice in force.
 int64_t set_amx(int64_t on) {
 #ifdef OC_AMX
-  static const bool can = oc_amx::usable();
-  if (on >= 0) g_amx = (on && can) ? 1 : 0;
+  if (on >= 0) g_amx = (on && oc_amx::usable()) ? 1 : 0;
 #endif
   return amx_on() ? 1 : 0;
 }

@@ -428,6 +428,8 @@ def products(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor | None:
            or w.stride(1) != 1 or w.is_mkldnn for w in ws):
         return None
     op = load()
+    # `_state["amx"]` mirrors the op's choice (set where it is made: the build, `set_amx`), so this
+    # hot path asks no C++ call
     if op is None or (rows > MAX_ROWS and not _state.get("amx")):
         return None
     x2 = x.reshape(rows, k)
