@@ -266,3 +266,39 @@ def test_prefetching_the_next_tasks_keys_changes_no_bit(models):
         decode_layer.set_kv_prefetch(before)
     assert torch.equal(outs[False][0], outs[True][0])
     assert all(torch.equal(a, b) for a, b in zip(outs[False][1], outs[True][1]))
+
+
+def test_weights_replaced_between_steps_are_the_ones_the_next_step_reads():
+    """The fused path keeps each layer's weight list between steps (`LlamaModel._decode_weights`):
+    a weight replaced by a new tensor, a module replaced, or a weight's data made non-contiguous
+    must be what the next step computes with (or the eager layers, for the last)."""
+    if decode_products.load() is None:
+        pytest.skip(decode_products.unavailable() or "decode kernel unavailable")
+    torch.manual_seed(3)
+    fused, plain = LlamaModel(CFG).eval(), LlamaModel(CFG).eval()
+    plain.load_state_dict(fused.state_dict())
+    prepare_inference(fused, decode=True)
+    prompt, nxt = torch.randint(0, 300, (2, 6)), torch.randint(0, 300, (2, 1))
+
+    def step(m):
+        with torch.no_grad():
+            c = m.new_cache(2, 32)
+            m.run(prompt, cache=c)
+            return m.run(nxt, cache=c).logits[:, -1]
+
+    assert (step(fused) - step(plain)).abs().max() < 1e-4  # the lists are now kept
+    for change in (lambda m: setattr(m.layers[1].mlp.up_proj, "weight",
+                                     torch.nn.Parameter(m.layers[1].mlp.up_proj.weight.detach() * 1.5)),
+                   lambda m: setattr(m.layers[0].input_layernorm.weight, "data",
+                                     m.layers[0].input_layernorm.weight.detach() + 0.5)):
+        change(fused)
+        change(plain)
+        assert (step(fused) - step(plain)).abs().max() < 1e-4
+    # a module replaced: its weight is the one handed to the op (the eager layers' fused products
+    # keep the modules `prepare_inference` saw, so a replaced module needs preparing again there)
+    new = type(fused.layers[2].self_attn.q_proj)(96, 96, bias=False)
+    fused.layers[2].self_attn.q_proj = new
+    assert fused._decode_weights()[2][1] is new.weight
+    k = fused.layers[0].self_attn.k_proj.weight
+    k.data = k.data.t().contiguous().t()  # the same values, not contiguous: the eager layers run
+    assert fused._decode_weights() is None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from opencomposer.kernels import logit_stats
+
 
 class SamplingError(ValueError):
     """Invalid sampling parameters (the server answers 400)."""
@@ -65,16 +67,23 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def token_info(logits: torch.Tensor, params: SamplingParams, tok: int) -> tuple[float, list[tuple[int, float]]]:
     """(log-probability of `tok`, top alternatives) as reported to clients and the trainer."""
     t = params.temperature
-    logp = torch.log_softmax(logits.float() / (t if t > 0 else 1.0), dim=-1)
-    top = []
-    if params.top_logprobs:
-        v, i = logp.topk(params.top_logprobs)
-        top = list(zip(i.tolist(), v.tolist()))
-    return float(logp[tok]), top
+    x = (logits.float() / (t if t > 0 else 1.0))[None]
+    st = logit_stats.stats(x)
+    return float(logit_stats.logprobs(x, st, torch.tensor([[tok]]))[0, 0]), _top(x[0], st, 0, params.top_logprobs)
+
+
+def _top(x: torch.Tensor, st, row: int, k: int) -> list[tuple[int, float]]:
+    """The `k` most likely tokens of row x (its logits over the temperature) and their log-probabilities,
+    from `logit_stats.stats`' row `row`: log_softmax is monotonic, so the largest logits are the ones."""
+    if not k:
+        return []
+    v, i = x.topk(k)
+    return list(zip(i.tolist(), ((v - st[0][row]) - st[2][row]).tolist()))
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """One index distributed as `probs`, by inverting the CDF with one uniform draw. (torch.multinomial
+    """One index distributed as `probs`, by inverting the CDF with one uniform draw: rows with top-k
+    or top-p, and speculative decoding's residuals (plain rows draw in `sample_rows`). (torch.multinomial
     draws an exponential per vocabulary entry: 1.9 ms for 49k entries here, against 0.07 ms for a
     cumsum and a binary search — at batch 32 that was 60 ms of every decode step.)"""
     if float(probs.max()) >= 1.0:
@@ -84,9 +93,18 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return min(int(torch.searchsorted(cdf, u.view(1))), probs.numel() - 1)
 
 
+def _plain(params: SamplingParams, v: int) -> bool:
+    """No top-k or top-p truncation: the row samples softmax(logits / temperature) as it is."""
+    return not (params.top_k and params.top_k < v) and params.top_p >= 1.0
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
            ) -> tuple[int, float, list[tuple[int, float]]]:
-    """One token from a (V,) row: (token, its log-probability, top alternatives)."""
+    """One token from a (V,) row: (token, its log-probability, top alternatives). A row without top-k
+    or top-p is `sample_rows`' (the same token and draw as in any batch); one with them is drawn
+    from `distribution` by `draw`."""
+    if _plain(params, logits.shape[-1]):
+        return sample_rows(logits[None], [params], [gen])[0]
     tok = draw(distribution(logits, params), gen)
     lp, top = token_info(logits, params, tok)
     return tok, lp, top
@@ -96,12 +114,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
                 ) -> list[tuple[int, float, list[tuple[int, float]]]]:
     """`sample` for every row of (B, V) logits, the rows without top-k/top-p in one batched pass
     (the same distribution, the same log-probabilities and the same draws from each row's
-    generator as `sample` row by row): about eight passes over the (B, V) logits instead of about
-    six small ones per row. On a quiet machine its effect on decode tokens/s was within the noise
-    at batch 1 and 8 (docs/inference.md)."""
+    generator as `sample` row by row): the log-probabilities and greedy tokens from two passes over
+    the (B, V) logits, and a drawing row's token from a walk along its running sum, which stops where
+    the draw lands (`kernels/logit_stats.py`). On a quiet machine batching rows was within the noise
+    of decode tokens/s at batch 1 and 8; the kernels' effect is in docs/inference.md."""
     v = logits.shape[-1]
     out: list = [None] * len(params)
-    plain = [i for i, p in enumerate(params) if not (p.top_k and p.top_k < v) and p.top_p >= 1.0]
+    plain = [i for i, p in enumerate(params) if _plain(p, v)]
     for i in sorted(set(range(len(params))) - set(plain)):
         out[i] = sample(logits[i], params[i], gens[i])
     if not plain:
@@ -109,40 +128,36 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
     x = logits[plain].float() if len(plain) < len(params) else logits.float()
     temps = [params[i].temperature or 1.0 for i in plain]
     # x / 1.0 is x, bit for bit: at temperature 0 or 1 (greedy evals, RL rollouts) no pass divides.
-    # Below, a pass over (rows, V) runs only for the rows that need it (the argmax of the greedy rows
-    # and of the one-hot ones), and nothing used whole is copied first: the same tokens, logprobs and
-    # draws as before, and at temperature 1 on SmolLM2's 49,152 logits 2.7 -> 1.05 ms a step at 8
-    # rows and 10.5 -> 3.8 at 32 on the AMD EPYC (Zen 4); the engine's decode 1.06x / 1.04x there
-    # (docs/inference.md).
     scaled = x if all(t == 1.0 for t in temps) else x / torch.tensor(temps, dtype=x.dtype)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
+    # the max, its first index and the log of the softmax's sum, for every row in two passes
+    # (`kernels/logit_stats.py`): no (rows, V) of log-probabilities is written (`log_softmax` did), and a
+    # greedy row's token is its first index of the max (its temperature counts as 1: `scaled` is its logits)
+    st = logit_stats.stats(scaled)
     hot = [j for j, i in enumerate(plain) if params[i].temperature > 0]
     cold = sorted(set(range(len(plain))) - set(hot))
     toks = torch.empty(len(plain), dtype=torch.long)
     if cold:
-        toks[cold] = (x if len(cold) == len(plain) else x[cold]).argmax(-1)
+        toks[cold] = st[1] if len(cold) == len(plain) else st[1][cold]
     if hot:
-        probs = torch.softmax(scaled if len(hot) == len(plain) else scaled[hot], dim=-1)
-        probs = probs / probs.sum(-1, keepdim=True)
-        keep = (probs.max(-1).values < 1.0).tolist()
-        draw_rows = [r for r, m in enumerate(keep) if m]
-        one_hot = [r for r, m in enumerate(keep) if not m]
-        probs_tok = torch.empty(len(hot), dtype=torch.long)
-        if one_hot:  # a one-hot row takes its argmax and draws nothing, as `draw` does
-            probs_tok[one_hot] = probs[one_hot].argmax(-1)
+        # a row whose max has probability 1 in float32 (1 / sum rounds to 1: the rest of its mass is tiny)
+        # takes its argmax and draws nothing, as `draw` does; the others draw by one uniform from
+        # their generator, walked along the running sum of exp(x - max) (`logit_stats.draw`)
+        hot_t = torch.tensor(hot)
+        keep = (torch.exp(-st[2][hot_t]) < 1.0).tolist()
+        draw_rows = [hot[r] for r, k in enumerate(keep) if k]
+        one_hot = [hot[r] for r, k in enumerate(keep) if not k]
+        if one_hot:
+            toks[one_hot] = st[1][one_hot]
         if draw_rows:
-            cdf = (probs if len(draw_rows) == len(hot) else probs[draw_rows]).cumsum(-1)
-            u = torch.stack([1.0 - torch.rand((), generator=gens[plain[hot[r]]], dtype=cdf.dtype)
-                             for r in draw_rows])[:, None] * cdf[:, -1:]
-            probs_tok[draw_rows] = torch.searchsorted(cdf, u).clamp(max=v - 1)[:, 0]
-        toks[hot] = probs_tok
-    picked = logp.gather(1, toks[:, None])[:, 0].tolist()
+            u = torch.stack([1.0 - torch.rand((), generator=gens[plain[j]]) for j in draw_rows])  # in (0, 1]
+            if len(draw_rows) == len(plain):
+                toks[draw_rows] = logit_stats.draw(scaled, st, u)
+            else:
+                d = torch.tensor(draw_rows)
+                toks[draw_rows] = logit_stats.draw(scaled[d], tuple(t[d] for t in st), u)
+    picked = logit_stats.logprobs(scaled, st, toks[:, None])[:, 0].tolist()
     for j, i in enumerate(plain):
-        top = []
-        if params[i].top_logprobs:
-            tv, ti = logp[j].topk(params[i].top_logprobs)
-            top = list(zip(ti.tolist(), tv.tolist()))
-        out[i] = (int(toks[j]), picked[j], top)
+        out[i] = (int(toks[j]), picked[j], _top(scaled[j], st, j, params[i].top_logprobs))
     return out
 
 

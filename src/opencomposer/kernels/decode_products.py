@@ -399,12 +399,13 @@ def _build():
         except ImportError:
             pass
 
-        from opencomposer.kernels import decode_amx, decode_layer
+        from opencomposer.kernels import decode_amx, decode_layer, logit_stats
 
         env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
-        # one extension for both: the fused decode layer (`decode_layer.py`) runs its products on this kernel
+        # one extension: the fused decode layer (`decode_layer.py`) runs its products on this kernel, and
+        # sampling's row statistics (`logit_stats.py`) use the layer's exp
         load_inline(name=f"opencomposer_decode_products_{env}",
-                    cpp_sources=[decode_amx.SOURCE, _SOURCE, decode_layer.SOURCE],
+                    cpp_sources=[decode_amx.SOURCE, _SOURCE, decode_layer.SOURCE, logit_stats.SOURCE],
                     is_python_module=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
         off = os.environ.get("OPENCOMPOSER_DECODE_AMX", "on").lower() in ("off", "0", "false")
