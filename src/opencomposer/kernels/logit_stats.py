@@ -122,7 +122,7 @@ std::vector<torch::Tensor> logit_stats(torch::Tensor x) {
 // The first index whose running sum of exp(x - m), in index order, reaches `target`; a block of 8
 // whose sum (in float64, in a fixed order) leaves the running sum below it is added whole, else its
 // entries one by one. Where rounding leaves the running sum short of the target at the end, the last
-// index with mass. An entry of mass 0 (a -inf logit, or one whose exp underflows) is never the answer.
+// index with mass. An entry of mass 0 (a -inf logit) is never the answer.
 static int64_t draw_row(const float* p, int64_t n, float m, double target) {
   const __m256 sv = _mm256_set1_ps(m);
   double cum = 0.0;
