@@ -203,12 +203,17 @@ def _torch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return m, idx, torch.logsumexp(x - m[:, None], -1)
 
 
+def _on_kernel(x: torch.Tensor, kernel: bool) -> bool:
+    """Whether the extension's code takes x: float32 (B, V) on CPU, B and V > 0, the extension built."""
+    return (kernel and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > 0
+            and x.shape[1] > 0 and decode_products.load() is not None)
+
+
 def stats(x: torch.Tensor, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max, first index of the max, log(sum(exp(x - max)))) of each row of float32 (B, V) logits: on
     the decode extension's AVX2 code where it is built and the rows are finite, else on torch (so
     also with `kernel=False`, for comparisons)."""
-    if kernel and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 \
-            and x.shape[0] > 0 and decode_products.load() is not None:
+    if _on_kernel(x, kernel):
         m, idx, ls = torch.ops.opencomposer_logit_stats.stats(x.contiguous())
         if m.numel() == x.shape[0]:
             return m, idx, ls
@@ -222,8 +227,7 @@ def draw(x: torch.Tensor, st: tuple[torch.Tensor, torch.Tensor, torch.Tensor], u
     `stats(x)`). A row whose statistics are not finite (a NaN) gets its index of the max. Never an
     entry of probability 0 (a -inf logit)."""
     m, idx, ls = st
-    if kernel and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 \
-            and x.shape[0] > 0 and decode_products.load() is not None:
+    if _on_kernel(x, kernel):
         out = torch.ops.opencomposer_logit_stats.draw(x.contiguous(), m, ls, u)
     else:
         e = (x - m[:, None]).double().exp()
