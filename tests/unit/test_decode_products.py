@@ -110,17 +110,19 @@ def amx():
     dp.set_amx(before)
 
 
-@pytest.mark.parametrize("k", [579, 64, 7])
-def test_the_amx_form_equals_the_reference_past_8_rows_with_a_rows_bits_in_any_batch_of_9_to_32(amx, k):
-    """Tails in k (579 = 18 steps of 32 + 3; 7) and in the weight rows (345 = 21 blocks of 16 + 9), a
-    block that spans two weights (row 301), strided rows of x: within float32 rounding of float64, and
-    one row's bits the same in batches of 9, 17 and 32 rows, at the front, the back and the middle."""
+@pytest.mark.parametrize("k,ns", [(579, (301, 44)), (64, (301, 44)), (7, (301, 44)), (40, (20, 17))])
+def test_the_amx_form_equals_the_reference_past_8_rows_with_a_rows_bits_in_any_batch_of_9_to_32(amx, k, ns):
+    """Tails in k (579 = 18 steps of 32 + 3; 7) and in the weight rows (345 = 21 blocks of 16 + 9: at
+    17-32 rows, which take two blocks a step, the last step's second block partly past the end; 37 =
+    two blocks and 5 rows: its second block wholly past the end), a block that spans two weights (row
+    301; row 20), strided rows of x: within float32 rounding of float64, and one row's bits the same
+    in batches of 9, 17 and 32 rows, at the front, the back and the middle."""
     torch.manual_seed(k)
-    ws = [torch.randn(301, k), torch.randn(44, k)]
+    ws = [torch.randn(n, k) for n in ns]
     big = torch.randn(32, 2 * k)
     x = big[:, :k]
     y = amx.products(x, ws)
-    assert y is not None and y.shape == (32, 345)
+    assert y is not None and y.shape == (32, sum(ns))
     assert (y.double() - _ref(x, ws)).abs().max() < 2e-4 * max(1.0, k / 579)
     for lo, hi in ((0, 9), (23, 32), (5, 22), (0, 17)):
         assert torch.equal(amx.products(x[lo:hi].contiguous(), ws), y[lo:hi]), (lo, hi)

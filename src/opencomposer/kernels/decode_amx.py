@@ -24,7 +24,8 @@ SOURCE = r"""
 // float32 as it is stored, and split on the fly: no second copy of the model.
 // Layout: a tile of 16 weight rows x 32 k (the weights' own row-major order, as bfloat16 limbs)
 // times a tile of x's limbs (16 k-pairs x 16 rows of x, built once a call: the VNNI order the unit
-// takes) gives 16 weight rows x 16 rows of x; one or two such accumulators (9-16 or 17-32 rows).
+// takes) gives 16 weight rows x 16 rows of x: at 9-16 rows one accumulator, at 17-32 (two groups of
+// x's rows) four, since a step then takes two blocks of weight rows.
 // Numerics: an output is the six limb products of each 32-wide step of k accumulated by the tile
 // unit in float32, step after step in order: the same bits for a row whatever else is in a batch of
 // 9-32 rows, but not the 16- or 8-lane forms' bits (those run 1-8 rows). Non-finite inputs give NaN.
@@ -44,7 +45,7 @@ struct Config {
   uint8_t rows[16];
 };
 
-// every tile 16 rows of 64 bytes: tiles 0-1 accumulate, 2-4 hold the weight limbs, 5-6 x's
+// every tile 16 rows of 64 bytes (OC_STEP1 and OC_STEP2 below say which holds what)
 static inline void tiles_on() {
   Config c;
   std::memset(&c, 0, sizeof c);
@@ -74,10 +75,15 @@ static inline void limbs(const float* p, int n, __m512i& h, __m512i& m, __m512i&
   const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(ar), top));
   const __m512 bm = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(br), top));
   const __m512 al = _mm512_sub_ps(ar, am), bl = _mm512_sub_ps(br, bm);  // exact, 8 bits at most
-  // each value already a bfloat16: the conversion's rounding changes nothing
-  h = (__m512i)_mm512_cvtne2ps_pbh(bh, ah);
-  m = (__m512i)_mm512_cvtne2ps_pbh(bm, am);
-  l = (__m512i)_mm512_cvtne2ps_pbh(bl, al);
+  // Each value is already a bfloat16 (its low 16 bits zero), so its bfloat16 is its high half. A shift
+  // and a bitwise select put a's i-th and b's i-th into one 32-bit unit: the unit's pair i holds k = i
+  // and k = 16 + i of the step, for x (whose limbs are made here too) as for w. Two simple
+  // instructions where `_mm512_cvtne2ps_pbh` (k in order) was one slow one (~2 cycles here): on this
+  // host the split and the tile unit's products do not overlap, so each instruction of the split
+  // counts (docs/inference.md).
+  h = _mm512_ternarylogic_epi32(top, _mm512_castps_si512(bh), _mm512_srli_epi32(_mm512_castps_si512(ah), 16), 0xCA);
+  m = _mm512_ternarylogic_epi32(top, _mm512_castps_si512(bm), _mm512_srli_epi32(_mm512_castps_si512(am), 16), 0xCA);
+  l = _mm512_ternarylogic_epi32(top, _mm512_castps_si512(bl), _mm512_srli_epi32(_mm512_castps_si512(al), 16), 0xCA);
 }
 
 // 16x16 transpose of 32-bit units held in 16 registers
@@ -107,21 +113,61 @@ static inline void transpose16(__m512i* r) {
   }
 }
 
-// the six limb products of one step into accumulator C, the weight limbs in tiles 2-4 (hi, mid,
-// lo), x's limbs at t (hi, mid, lo: 16 registers each), the smallest products first: w_hi x_lo,
-// w_mid x_mid, w_hi x_mid, w_lo x_hi, w_mid x_hi, w_hi x_hi. A macro: g++'s tile intrinsics paste
-// their tile numbers into the assembly, so they must be literal digits.
-#define OC_SIX(C, t)                     \
-  do {                                   \
-    _tile_loadd(5, (t) + 2 * 16, 64);    \
-    _tile_dpbf16ps(C, 2, 5);             \
-    _tile_loadd(6, (t) + 16, 64);        \
-    _tile_dpbf16ps(C, 3, 6);             \
-    _tile_dpbf16ps(C, 2, 6);             \
-    _tile_loadd(5, (t), 64);             \
-    _tile_dpbf16ps(C, 4, 5);             \
-    _tile_dpbf16ps(C, 3, 5);             \
-    _tile_dpbf16ps(C, 2, 5);             \
+// The six limb products of one step. Per accumulator in the order w_hi x_lo, w_hi x_mid, w_mid x_mid,
+// w_mid x_hi, w_lo x_hi, w_hi x_hi, whatever the rows of x: a row's bits do not depend on the batch.
+// x's limbs are at t (group g's hi, mid, lo at t + g * 48, + 16, + 32: 16 registers each), the
+// weight limbs at w (block a's hi, mid, lo at w[0..2], block b's at w[3..5]). Macros: g++'s tile
+// intrinsics paste their tile numbers into the assembly, so they must be literal digits.
+// One group (9-16 rows of x), one block of 16 weight rows: tile 0 accumulates, 2-4 hold the weight
+// limbs, 5-7 x's.
+#define OC_STEP1(w, t)           \
+  do {                           \
+    _tile_loadd(2, (w)[0], 64);  \
+    _tile_loadd(3, (w)[1], 64);  \
+    _tile_loadd(4, (w)[2], 64);  \
+    _tile_loadd(5, (t) + 32, 64); \
+    _tile_dpbf16ps(0, 2, 5);     \
+    _tile_loadd(6, (t) + 16, 64); \
+    _tile_dpbf16ps(0, 2, 6);     \
+    _tile_dpbf16ps(0, 3, 6);     \
+    _tile_loadd(7, (t), 64);     \
+    _tile_dpbf16ps(0, 3, 7);     \
+    _tile_dpbf16ps(0, 4, 7);     \
+    _tile_dpbf16ps(0, 2, 7);     \
+  } while (0)
+// Two groups (17-32 rows), two blocks a step (a and b), so that a tile of x's limbs loaded serves
+// both blocks: the tile unit's loads (which cost here about as much as its products) fall from 9 to 7
+// a block. Tiles 0-3 accumulate (a, g0), (a, g1), (b, g0), (b, g1); 4-5 hold a limb of a and of b,
+// 6-7 a limb of each group.
+#define OC_FOUR()              \
+  do {                         \
+    _tile_dpbf16ps(0, 4, 6);   \
+    _tile_dpbf16ps(2, 5, 6);   \
+    _tile_dpbf16ps(1, 4, 7);   \
+    _tile_dpbf16ps(3, 5, 7);   \
+  } while (0)
+#define OC_STEP2(w, t)                                         \
+  do {                                                         \
+    _tile_loadd(4, (w)[0], 64);                                \
+    _tile_loadd(5, (w)[3], 64);                                \
+    _tile_loadd(6, (t) + 32, 64);                              \
+    _tile_loadd(7, (t) + 48 + 32, 64);                         \
+    OC_FOUR();                                                 \
+    _tile_loadd(6, (t) + 16, 64);                              \
+    _tile_loadd(7, (t) + 48 + 16, 64);                         \
+    OC_FOUR();                                                 \
+    _tile_loadd(4, (w)[1], 64);                                \
+    _tile_loadd(5, (w)[4], 64);                                \
+    OC_FOUR();                                                 \
+    _tile_loadd(6, (t), 64);                                   \
+    _tile_loadd(7, (t) + 48, 64);                              \
+    OC_FOUR();                                                 \
+    _tile_loadd(4, (w)[2], 64);                                \
+    _tile_loadd(5, (w)[5], 64);                                \
+    OC_FOUR();                                                 \
+    _tile_loadd(4, (w)[0], 64);                                \
+    _tile_loadd(5, (w)[3], 64);                                \
+    OC_FOUR();                                                 \
   } while (0)
 
 // The CPU has the tile unit and AVX-512 BF16, and Linux lets this process use the tiles.
@@ -145,18 +191,24 @@ static bool usable() {
 // ahead as the 16-lane form fetches, 47-51 with no prefetch).
 constexpr int kAhead = 4;
 
-// y (M, N) = x (M, K) @ cat(w).T for 9 <= M <= 32, the weights as `products` gathers them
-static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std::vector<const float*>& ptrs,
-                     const std::vector<int64_t>& strides, const std::vector<int64_t>& starts, float* y) {
-  const int64_t N = starts.back(), G = (M + 15) / 16, S = (K + 31) / 32, NB = (N + 15) / 16;
+// y (M, N) = x (M, K) @ cat(w).T for G groups of 16 rows of x (1 or 2: 9 <= M <= 32), the weights as
+// `products` gathers them; a step takes G blocks of 16 weight rows (a "part")
+template <int G>
+static void products_g(const float* x, int64_t sx, int64_t M, int64_t K, const std::vector<const float*>& ptrs,
+                       const std::vector<int64_t>& strides, const std::vector<int64_t>& starts, float* y) {
+  constexpr int R = 16 * G;  // weight rows a step
+  const int64_t N = starts.back(), S = (K + 31) / 32;
   const int last = int(K - (S - 1) * 32);  // k in the last step, 1-32
-  // x's limbs as tiles, xt[s][g][limb]: 16 k-pairs x 16 rows, 32-bit units (a pair of bfloat16)
+  // x's limbs as tiles, xt[s][g][limb]: 16 k-pairs x 16 rows, 32-bit units (a pair of bfloat16, `limbs`)
   // (torch's CPU allocator aligns to 64 bytes; a std::vector of __m512i need not, and the
   // stores below are aligned)
   auto xt_store = torch::empty({S * G * 3 * 16 * 16}, torch::dtype(torch::kInt32));
   __m512i* xt = reinterpret_cast<__m512i*>(xt_store.data_ptr<int32_t>());
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t s = 0; s < S; ++s) {
+  // over the threads where there are weight rows enough: SmolLM2's output and down products at 32
+  // rows 1.05-1.07x so, but 32 weight rows took 12.5 -> 20.8 us (a grain this large runs inline)
+  at::parallel_for(0, S * G, N >= 256 ? 8 : S * G, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / G, g = i % G;
       __m512i r[3][16];
       for (int m = 0; m < 16; ++m) {
         const int64_t row = g * 16 + m;
@@ -169,19 +221,20 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
       }
       for (int li = 0; li < 3; ++li) {
         transpose16(r[li]);
-        for (int i = 0; i < 16; ++i) xt[((s * G + g) * 3 + li) * 16 + i] = r[li][i];
+        for (int j = 0; j < 16; ++j) xt[((s * G + g) * 3 + li) * 16 + j] = r[li][j];
       }
     }
-  const int64_t Nw = int64_t(ptrs.size());
-  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+  });
+  const int64_t Nw = int64_t(ptrs.size()), NP = (N + R - 1) / R;  // steps' rows: "parts" of R weight rows
+  at::parallel_for(0, NP, 8 / G, [&](int64_t b0, int64_t b1) {
     tiles_on();
-    alignas(64) uint16_t wl[2][3][16 * 32];  // a step's weight limbs, two steps in turn
-    alignas(64) float acc[2][16 * 16];       // a block's accumulators, stored for `flush`
-    const float* rows[2][16];                // a block's weight rows (nullptr past N)
-    auto rows_of = [&](int64_t blk, const float** rp) {
+    alignas(64) uint16_t wl[2][3 * G][16 * 32];  // a step's weight limbs (per block hi mid lo), two steps in turn
+    alignas(64) float acc[G * G][16 * 16];       // a part's accumulators, [block * G + group], stored for `flush`
+    const float* rows[2][R];                     // a part's weight rows (nullptr past N)
+    auto rows_of = [&](int64_t part, const float** rp) {
       int64_t i = 0;
-      for (int r = 0; r < 16; ++r) {
-        const int64_t n = blk * 16 + r;
+      for (int r = 0; r < R; ++r) {
+        const int64_t n = part * R + r;
         if (n >= N) {
           rp[r] = nullptr;
           continue;
@@ -191,11 +244,11 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
       }
     };
     // weight step s of the rows `rp` into limb buffer `buf`; lines kAhead steps on (in `pn`'s
-    // rows past the block's end) into L2 meanwhile
+    // rows past the part's end) into L2 meanwhile
     auto split = [&](const float* const* rp, int64_t s, uint16_t (*buf)[16 * 32], const float* const* pn,
                      int64_t sp) {
       const bool tail = s + 1 == S && last < 32;
-      for (int r = 0; r < 16; ++r) {
+      for (int r = 0; r < R; ++r) {
         if (pn && pn[r]) {
           const char* q = reinterpret_cast<const char*>(pn[r] + sp * 32);
           _mm_prefetch(q, _MM_HINT_T1);
@@ -208,32 +261,42 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
           limbs<true>(rp[r] + s * 32, last, h, m, l);
         else
           limbs<false>(rp[r] + s * 32, 32, h, m, l);
-        _mm512_store_si512(&buf[0][r * 32], h);
-        _mm512_store_si512(&buf[1][r * 32], m);
-        _mm512_store_si512(&buf[2][r * 32], l);
+        uint16_t (*o)[16 * 32] = buf + (r >> 4) * 3;
+        _mm512_store_si512(&o[0][(r & 15) * 32], h);
+        _mm512_store_si512(&o[1][(r & 15) * 32], m);
+        _mm512_store_si512(&o[2][(r & 15) * 32], l);
       }
     };
-    // a finished block's rows of y, from its stored accumulators (16 weight rows x 16 rows of x)
-    auto flush = [&](int64_t blk) {
-      const int64_t n0 = blk * 16;
-      const __mmask16 cols = __mmask16(N - n0 >= 16 ? 0xFFFF : (1u << (N - n0)) - 1);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(acc[g] + i * 16);
-        transpose16(r);  // r[m]: outputs n0..n0+15 of x's row g*16+m
-        for (int64_t m = 0; m < std::min<int64_t>(16, M - g * 16); ++m)
-          _mm512_mask_storeu_epi32(y + (g * 16 + m) * N + n0, cols, r[m]);
+    // a finished part's rows of y, from its stored accumulators (16 weight rows x 16 rows of x each)
+    auto flush = [&](int64_t part) {
+      for (int64_t half = 0; half < G; ++half) {
+        const int64_t n0 = part * R + half * 16;
+        if (n0 >= N) break;
+        const __mmask16 cols = __mmask16(N - n0 >= 16 ? 0xFFFF : (1u << (N - n0)) - 1);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(acc[half * G + g] + i * 16);
+          transpose16(r);  // r[m]: outputs n0..n0+15 of x's row g*16+m
+          for (int64_t m = 0; m < std::min<int64_t>(16, M - g * 16); ++m)
+            _mm512_mask_storeu_epi32(y + (g * 16 + m) * N + n0, cols, r[m]);
+        }
       }
     };
     rows_of(b0, rows[b0 & 1]);
     if (b0 + 1 < b1) rows_of(b0 + 1, rows[(b0 + 1) & 1]);
     split(rows[b0 & 1], 0, wl[0], nullptr, 0);
     int64_t at = 0;  // steps done, whose parity picks the limb buffer
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const float* const* cur = rows[blk & 1];
-      const float* const* nxt = blk + 1 < b1 ? rows[(blk + 1) & 1] : nullptr;
-      _tile_zero(0);
-      _tile_zero(1);
+    for (int64_t part = b0; part < b1; ++part) {
+      const float* const* cur = rows[part & 1];
+      const float* const* nxt = part + 1 < b1 ? rows[(part + 1) & 1] : nullptr;
+      if (G == 1) {
+        _tile_zero(0);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int64_t s = 0; s < S; ++s, ++at) {
         // the next step's limbs while the tile unit works on this one's (their stores finish
         // before the unit loads them, a step later)
@@ -244,24 +307,40 @@ static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std
           split(nxt, 0, wl[(at + 1) & 1], nxt, std::min<int64_t>(kAhead, S - 1));
         }
         uint16_t (*w)[16 * 32] = wl[at & 1];
-        _tile_loadd(2, w[0], 64);
-        _tile_loadd(3, w[1], 64);
-        _tile_loadd(4, w[2], 64);
         const __m512i* t = xt + (s * G) * 3 * 16;
-        OC_SIX(0, t);
-        if (G > 1) OC_SIX(1, t + 3 * 16);
+        if (G == 1)
+          OC_STEP1(w, t);
+        else
+          OC_STEP2(w, t);
       }
-      _tile_stored(0, acc[0], 64);
-      if (G > 1) _tile_stored(1, acc[1], 64);
-      flush(blk);
-      if (blk + 2 < b1) rows_of(blk + 2, rows[blk & 1]);
+      if (G == 1) {
+        _tile_stored(0, acc[0], 64);
+      } else {
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+      }
+      flush(part);
+      if (part + 2 < b1) rows_of(part + 2, rows[part & 1]);
     }
     _tile_release();
   });
 }
 
+// y (M, N) = x (M, K) @ cat(w).T for 9 <= M <= 32, the weights as `products` gathers them
+static void products(const float* x, int64_t sx, int64_t M, int64_t K, const std::vector<const float*>& ptrs,
+                     const std::vector<int64_t>& strides, const std::vector<int64_t>& starts, float* y) {
+  if (M > 16)
+    products_g<2>(x, sx, M, K, ptrs, strides, starts, y);
+  else
+    products_g<1>(x, sx, M, K, ptrs, strides, starts, y);
+}
+
 }  // namespace oc_amx
-#undef OC_SIX
+#undef OC_STEP1
+#undef OC_STEP2
+#undef OC_FOUR
 #pragma GCC pop_options
 #endif
 
