@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -377,32 +378,46 @@ def _ray_rollout_workers() -> list[int]:
 @pytest.mark.timeout(1200)
 def test_the_ray_backend_runs_the_loop_and_replaces_what_dies(family, tmp_path, monkeypatch):
     """`services = "ray"` on a local Ray cluster: the replica is a Ray actor's process, rollouts
-    and held-out evaluations are Ray tasks. The replica's actor is killed after the first step and
-    a Ray worker in a rollout after the second; both are replaced, nothing is trained twice."""
+    and held-out evaluations are Ray tasks. The replica's actor is killed after the first step and,
+    after the second, the first Ray worker seen in a rollout; both are replaced, nothing is trained
+    twice.
+
+    The rollout worker is killed from a thread, not from the step's callback: on a busy machine the
+    groups in flight at the second step had all finished by then (the trainer is slower there than
+    the rollouts), and the loop dispatches the next group only once the callback returns. With four
+    steps, a group dispatched after the second step is one a later step trains, so its killed rollout
+    is collected, retried and recorded."""
     import ray  # a test dependency (pyproject): a missing install fails here, it is not skipped
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    cfg = dataclasses.replace(config(family, LR, steps=3), eval_samples=4, max_inflight_groups=2, epochs=6,
+    cfg = dataclasses.replace(config(family, LR, steps=4), eval_samples=4, max_inflight_groups=2, epochs=6,
                               max_attempts=3, services="ray")
     run = Run(cfg, tmp_path / "run")
     killed = []
+
+    def kill_a_rollout_worker():
+        deadline = time.monotonic() + 300
+        while not (busy := _ray_rollout_workers()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if busy:
+            os.kill(busy[0], signal.SIGKILL)
+            killed.append(busy[0])
+
+    killer = threading.Thread(target=kill_a_rollout_worker, daemon=True)
 
     def kill_services(rec):
         if rec["step"] == 1:
             run.replica.kill()
         if rec["step"] == 2:
-            deadline = time.monotonic() + 120
-            while not (busy := _ray_rollout_workers()) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert busy, "no Ray worker was rolling out"
-            os.kill(busy[0], signal.SIGKILL)
-            killed.append(busy[0])
+            killer.start()
 
     run.progress = kill_services
     summary = run.run()
-    assert summary["version"] == updates(tmp_path / "run") and summary["trained_groups"] == 3
+    killer.join(timeout=5)
+    assert killed, "no Ray worker was seen in a rollout after the second step"
+    assert summary["version"] == updates(tmp_path / "run") and summary["trained_groups"] == 4
     assert summary["eval_start"]["episodes"] == 4 and summary["eval_end"]["version"] == summary["version"]
-    events = check_invariants(tmp_path / "run", 3)
+    events = check_invariants(tmp_path / "run", 4)
     assert [e["services"] for e in events if e["kind"] == "run_started"] == ["ray"]
     assert any(e["kind"] == "replica_restarted" for e in events)
     assert killed and any(e["kind"] == "worker_replaced" and "WorkerCrashed" in e["reason"] for e in events)
