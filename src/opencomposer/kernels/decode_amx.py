@@ -188,7 +188,8 @@ static bool usable() {
 
 // Steps of k ahead that a step's weight lines are fetched into L2 (SmolLM2's layer products at 32
 // rows on the AMX Xeon, scratch runs: 31.1-32.4 ms at 2-17 steps ahead, 32.7-35.3 one block of rows
-// ahead as the 16-lane form fetches, 47-51 with no prefetch).
+// ahead as the 16-lane form fetches, 47-51 with no prefetch; with two blocks a step, 2 and 8 steps
+// ahead 0.97-1.01x of 4).
 constexpr int kAhead = 4;
 
 // y (M, N) = x (M, K) @ cat(w).T for G groups of 16 rows of x (1 or 2: 9 <= M <= 32), the weights as
@@ -205,7 +206,7 @@ static void products_g(const float* x, int64_t sx, int64_t M, int64_t K, const s
   auto xt_store = torch::empty({S * G * 3 * 16 * 16}, torch::dtype(torch::kInt32));
   __m512i* xt = reinterpret_cast<__m512i*>(xt_store.data_ptr<int32_t>());
   // over the threads where there are weight rows enough: SmolLM2's output and down products at 32
-  // rows 1.05-1.07x so, but 32 weight rows took 12.5 -> 20.8 us (a grain this large runs inline)
+  // rows 1.05-1.08x so, but 32 weight rows took 12.5 -> 20.8 us (a grain this large runs inline)
   at::parallel_for(0, S * G, N >= 256 ? 8 : S * G, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / G, g = i % G;
@@ -289,10 +290,8 @@ static void products_g(const float* x, int64_t sx, int64_t M, int64_t K, const s
     for (int64_t part = b0; part < b1; ++part) {
       const float* const* cur = rows[part & 1];
       const float* const* nxt = part + 1 < b1 ? rows[(part + 1) & 1] : nullptr;
-      if (G == 1) {
-        _tile_zero(0);
-      } else {
-        _tile_zero(0);
+      _tile_zero(0);
+      if (G > 1) {
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
@@ -313,10 +312,8 @@ static void products_g(const float* x, int64_t sx, int64_t M, int64_t K, const s
         else
           OC_STEP2(w, t);
       }
-      if (G == 1) {
-        _tile_stored(0, acc[0], 64);
-      } else {
-        _tile_stored(0, acc[0], 64);
+      _tile_stored(0, acc[0], 64);
+      if (G > 1) {
         _tile_stored(1, acc[1], 64);
         _tile_stored(2, acc[2], 64);
         _tile_stored(3, acc[3], 64);

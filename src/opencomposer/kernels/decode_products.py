@@ -43,8 +43,8 @@ as they are stored, once, and split on the fly (no second copy). On the AMX Xeon
 layers of products took 23.0 / 23.0 / 27.5 / 28.5 ms at 9 / 16 / 24 / 32 rows against the 16-lane
 form's 25.2 / 29.6 / 36.6 / 42.4 (1.10-1.49x; weights read cold, a scratch script, 7 rounds,
 medians; docs/inference.md); two blocks of weight rows a step at 17-32 rows and a cheaper split
-made it 1.07-1.11x faster again (2026-12-07). Where it runs, `products` takes up to 32 rows (the head of a decode
-step, and products outside the fused layer).
+made them 1.07-1.11x faster again at 16-32 rows, 1.03-1.10x at 9 (2026-12-07). Where it runs,
+`products` takes up to 32 rows (the head of a decode step, and products outside the fused layer).
 
 Where it does not apply it says so with None, and the caller uses oneDNN: more than 8 rows (32
 where the AMX form runs), not float32, not CPU, a CPU without AVX2 and FMA, no compiler (the first
