@@ -277,8 +277,8 @@ torch::Tensor products(const torch::Tensor& x, const std::vector<torch::Tensor>&
   const int64_t groups = (B + group - 1) / group;
   // The next tile's rows stream in during the later groups in the 16-lane form only: there they took
   // SmolLM2's layer products at 9 / 16 / 32 rows 1.15 / 1.13 / 1.04-1.16x faster on the AMD EPYC
-  // (Zen 4); the 8-lane form on the same host was 0.93 / 0.95 / 1.08x (docs/inference.md), and no
-  // AVX2-only host was at hand to measure it where that form runs.
+  // (Zen 4); the 8-lane form on the same host was 0.93 / 0.95 / 1.08x, and on an AVX2-only EPYC (Zen 3),
+  // where that form runs, the engine's decode at batch 32 was 0.94x with it (docs/inference.md).
   const bool next = groups > 1 && w16;
   at::parallel_for(0, N, 128, [&](int64_t a, int64_t b) {
     for (int64_t t0 = a; t0 < b; t0 += tile) {
