@@ -112,9 +112,10 @@ def test_the_speedrun_rl_stage_hands_its_settings_to_the_loop():
     cfg = load_config(SpeedrunConfig, overrides=["rl.unsolved_groups=skip", "rl.lr=3e-5", "rl.failed_edit=0.05",
                                                  "rl.broken_call=0.02", "rl.group_size=6", "agent.turn_tokens=99",
                                                  "rl.negative_advantages=0.25", "rl.baseline=token_mean", "rl.bf16=auto",
-                                                 "sft.bf16=auto"])
+                                                 "sft.bf16=auto", "rl.solved_groups=skip"])
     r = loop_config(cfg.rl, cfg.agent, Path("m"), Path("t"), "train", epochs=1)
     assert r.objective.unsolved_groups == "skip" and r.objective.group_size == 6
+    assert r.objective.solved_groups == "skip"
     assert r.objective.negative_advantages == 0.25 and r.objective.baseline == "token_mean"
     assert r.trainer.lr == 3e-5 and r.rewards.failed_edit == 0.05 and r.rewards.broken_call == 0.02
     assert r.turn_tokens == 99 and r.evaluate is False

@@ -88,10 +88,10 @@ def test_a_token_mean_baseline_makes_the_rewarded_and_blamed_mass_equal():
     assert one_pass_step(baseline="token_mean")["advantage_mass"] == pytest.approx([0.8 * 6, -0.2 * 24])
 
 
-def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
-    """A group where nothing passed but the behaviour terms differ: "train" moves the weights on
-    those terms, "skip" leaves every weight as it was and counts the group; a group with a pass
-    trains either way."""
+def test_unsolved_and_solved_groups_train_on_their_behaviour_terms_or_are_skipped():
+    """A group where nothing passed, or where everything did, but the behaviour terms differ:
+    "train" moves the weights on those terms, "skip" (`unsolved_groups`, `solved_groups`) leaves
+    every weight as it was and counts the group; a group that splits trains either way."""
     def model_and_state():
         torch.manual_seed(0)
         m = LlamaModel(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -104,15 +104,22 @@ def test_unsolved_groups_train_on_their_behaviour_terms_or_are_skipped():
     solved = samples(200)
     for s in solved:
         s.passed = s.reward > 0
-    for mode, group, moves in (("train", unsolved, True), ("skip", unsolved, False), ("skip", solved, True)):
+    all_passed = samples(200)
+    for s, r in zip(all_passed, (1.0, 0.95, 0.9, 1.0)):  # every rollout passed; broken calls cost 0.05 each
+        s.reward, s.passed = r, True
+    for mode, solved_mode, group, moves in (
+            ("train", "train", unsolved, True), ("skip", "train", unsolved, False), ("skip", "skip", solved, True),
+            ("skip", "train", all_passed, True), ("train", "skip", all_passed, False),
+            ("train", "skip", unsolved, True)):
         model, before = model_and_state()
-        trainer = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.0, unsolved_groups=mode),
-                            TrainerConfig(lr=1e-3))
+        trainer = RLTrainer(model, ObjectiveConfig(group_size=4, kl_coef=0.0, unsolved_groups=mode,
+                                                   solved_groups=solved_mode), TrainerConfig(lr=1e-3))
         stats = trainer.step([group])
         changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
-        assert bool(changed) == moves, (mode, group is solved)
+        assert bool(changed) == moves, (mode, solved_mode)
         assert stats["updated"] == moves  # the loop makes a new version only for a step that moved
-        assert stats["unsolved_groups_skipped"] == (0 if moves else 1)
+        assert stats["unsolved_groups_skipped"] == (not moves and group is unsolved)
+        assert stats["solved_groups_skipped"] == (not moves and group is all_passed)
         assert stats["zero_advantage_groups"] == 0
 
 

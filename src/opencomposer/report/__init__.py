@@ -173,10 +173,12 @@ def rl_section(s: dict) -> list[str]:
         return ["## RL", "", "No step was trained.", ""]
     stale = ", ".join(f"{k}: {v}" for k, v in sorted(s["staleness"].items(), key=lambda kv: int(kv[0]))) or "–"
     zero = sum(r["zero_advantage_groups"] for r in curve)
+    unsolved, solved = (sum(r.get(k, 0) for r in curve) for k in ("unsolved_groups_skipped", "solved_groups_skipped"))
     return ["## RL", "",
-            f"{len(curve)} steps (policy version {s['version']}), {s['trained_groups']} groups trained, "
-            f"{s['failed_groups']} failed, {zero} with all rewards equal (no gradient), over {s['train_tasks']} train "
-            f"tasks ({s['epochs']} epoch(s)).", "",
+            f"{len(curve)} steps (policy version {s['version']}), {s['trained_groups']} groups through the trainer, "
+            f"{s['failed_groups']} failed, {zero} with all rewards equal (no gradient), {unsolved} skipped with no "
+            f"pass and {solved} with every rollout passing, over {s['train_tasks']} train tasks "
+            f"({s['epochs']} epoch(s)).", "",
             "| | first step | last step |", "|---|---|---|",
             f"| reward | {curve[0]['reward']:.3f} | {curve[-1]['reward']:.3f} |",
             f"| pass rate of rollouts | {curve[0]['pass_rate']:.0%} | {curve[-1]['pass_rate']:.0%} |",

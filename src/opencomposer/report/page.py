@@ -164,7 +164,7 @@ def training(run: dict, root: Path) -> str:
         s = run["rl"]
         c = s["curve"]
         out.append(f"<h3>RL</h3><p>{num('rl/summary.json', 'version', s['version'], '{}')} policy versions, "
-                   f"{num('rl/summary.json', 'trained_groups', s['trained_groups'], '{}')} groups trained, "
+                   f"{num('rl/summary.json', 'trained_groups', s['trained_groups'], '{}')} groups through the trainer, "
                    f"{num('rl/summary.json', 'failed_groups', s['failed_groups'], '{}')} failed. Reward "
                    f"{num('rl/summary.json', 'curve.0.reward', c[0]['reward'], '{:.3f}')} → "
                    f"{num('rl/summary.json', f'curve.{len(c) - 1}.reward', c[-1]['reward'], '{:.3f}')}.</p>")

@@ -46,6 +46,7 @@ from opencomposer.core.machine import usable_cpus
 from opencomposer.core.metrics import read_jsonl
 from opencomposer.core.rundir import write_atomic
 from opencomposer.evals.runner import episode_seed
+from opencomposer.rl.progress import load_progress, save_progress
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.harness.tools import ALL_TOOLS, ToolConfig
 from opencomposer.rl.curriculum import CurriculumConfig, Hardness, Planner
@@ -205,10 +206,7 @@ class Run:
         self._last_step_time: float | None = None
         """Wall clock of the last step (this process): step_seconds is the time between steps."""
         self.threads = ThreadShare((0, 0), lend=False, borrow=False)  # `run` sets the machine's split
-        ckpt = self.out / "step.pt"
-        if ckpt.exists():
-            self.version, trained = self.trainer.load(ckpt)
-            self.trained = set(trained)
+        self.version, self.trained = load_progress(self.out, self.trainer)
         # groups finished before a crash and not yet trained: loaded, not rolled out again
         self.ready: dict[int, list[Sample]] = {}
         for f in sorted((self.out / "groups").glob("g*.json")) if (self.out / "groups").exists() else []:
@@ -457,7 +455,7 @@ class Run:
             self.events.record("refusals_answered", by=self._answered_by, refusals=len(fresh))
             return
         self.version = self._answered_by = self.version + 1
-        self.trainer.save(self.out / "step.pt", self.version, sorted(self.trained))
+        save_progress(self.out, self.trainer, self.version, self.trained, moved=True)  # the new number
         m = store.publish(self.trainer.model.to_hf_state(), self.version, full=True)
         self.events.record("republished", version=self.version, reason="a replica rejected a version",
                            **_pub(m))
@@ -544,7 +542,7 @@ class Run:
         self.version += st["updated"]
         for g, _ in groups:
             self.trained.add(g)
-        self.trainer.save(self.out / "step.pt", self.version, sorted(self.trained))
+        save_progress(self.out, self.trainer, self.version, self.trained, moved=st["updated"])
         for g, samples in groups:
             for s in samples:
                 self.events.record("trained", s.id, group=g, version=self.version)
@@ -565,7 +563,8 @@ class Run:
                "groups": [g for g, _ in groups], "reward": sum(s.reward for s in samples) / len(samples),
                "pass_rate": sum(s.passed for s in samples) / len(samples),
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
-               "unsolved_groups_skipped": st["unsolved_groups_skipped"], "ratio_max": st["ratio_max"],
+               "unsolved_groups_skipped": st["unsolved_groups_skipped"],
+               "solved_groups_skipped": st["solved_groups_skipped"], "ratio_max": st["ratio_max"],
                "bf16": st["bf16"], "truncated": st["truncated"],
                "zero_advantage_rollouts": st["zero_advantage_rollouts"], "trained_tokens": st["trained_tokens"],
                **{k: st.get(k, 0) for k in ("scaled_tokens", "call_only_groups", "copy_blamed_tokens")},

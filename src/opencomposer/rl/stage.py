@@ -45,6 +45,9 @@ class RLStageConfig:
     unsolved_groups: Literal["train", "skip"] = "train"
     """A group where no rollout passed: trained on the effort and behaviour terms ("train"), or
     not trained at all ("skip"; `ObjectiveConfig.unsolved_groups`)."""
+    solved_groups: Literal["train", "skip"] = "train"
+    """A group where every rollout passed: trained on the behaviour terms and the KL ("train"), or
+    not trained at all ("skip"; `ObjectiveConfig.solved_groups`)."""
     baseline: Literal["group_mean", "token_mean"] = "group_mean"
     """A rollout's reward against its group's mean (Dr. GRPO) or against the mean weighted by
     trained tokens, under which a group's advantages sum to zero over its tokens
@@ -114,6 +117,7 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                                                                   checkpoint_tokens=cfg.checkpoint_tokens),
                     objective=ObjectiveConfig(group_size=cfg.group_size, normalizer=cfg.normalizer,
                                               kl_coef=cfg.kl_coef, unsolved_groups=cfg.unsolved_groups,
+                                              solved_groups=cfg.solved_groups,
                                               baseline=cfg.baseline,
                                               negative_advantages=cfg.negative_advantages,
                                               failed_call_credit=cfg.failed_call_credit,
@@ -150,7 +154,9 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
                                               "tokens_per_rollout", "turns_per_rollout", "zero_advantage_groups",
                                               "broken_calls", "edit_rate", "train_seconds", "publish_seconds",
                                               "delta_bytes", "full_bytes")}
-                        | {"updated": rec.get("updated", True)} for rec in curve],
+                        | {"updated": rec.get("updated", True),
+                           **{k: rec.get(k, 0) for k in ("unsolved_groups_skipped", "solved_groups_skipped")}}
+                        for rec in curve],
               "staleness": staleness(curve)}
     run_dir.write_json("rl/summary.json", result)
     metrics.log(stage="rl", steps=len(curve), reward_first=curve[0]["reward"] if curve else None,

@@ -157,14 +157,16 @@ class RLTrainer:
                   if (blame := {qi: b for qi, q in enumerate(s.sequences)
                                 if (b := token_copy_blame(q, self.tokenizer, cfg.copy_blame)) is not None})}
         unsolved = cfg.unsolved_groups == "skip" and not any(s.passed for s in group)
+        solved = cfg.solved_groups == "skip" and all(s.passed for s in group)
+        skipped = unsolved or solved
         # skipped by the outcome; the call term or copy blame may still train it (`call_only_groups`)
-        if unsolved:
-            stats["unsolved_groups_skipped"] += 1
+        if skipped:
+            stats["unsolved_groups_skipped" if unsolved else "solved_groups_skipped"] += 1
             if not calls and not copies:
                 return
         # a group the outcome skips trains no reward, so a KL in the reward has nothing to act on there
         self._between()
-        refs = self._group_refs(group) if self.ref is not None and not (unsolved and cfg.kl_place == "reward") \
+        refs = self._group_refs(group) if self.ref is not None and not (skipped and cfg.kl_place == "reward") \
             else None
         kl_sums = [sum(float((sampled(q) - r).sum()) for q, r in zip(s.sequences, rs))
                    for s, rs in zip(group, refs)] if refs is not None else [0.0] * len(group)
@@ -173,10 +175,10 @@ class RLTrainer:
                                      cfg.negative_advantages,
                                      tokens=[s.trained_tokens for s in group]
                                      if cfg.baseline == "token_mean" else None)
-        if unsolved or zero:
+        if skipped or zero:
             # no outcome signal: only the per-call terms (`call_advantage`, `copy_blame`) train, where
             # they apply
-            if zero and not unsolved:
+            if zero and not skipped:
                 stats["zero_advantage_groups"] += 1
             if not calls and not copies:
                 return
@@ -237,6 +239,7 @@ class RLTrainer:
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
         stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0,
+                 "solved_groups_skipped": 0,
                  "zero_advantage_rollouts": 0, "trained_tokens": 0, "advantage_mass": [0.0, 0.0],
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0, "bf16": self.bf16}
         self.opt.zero_grad(set_to_none=True)
