@@ -78,7 +78,8 @@ def test_smoke_runs_the_recipe(smoke):
     rl = json.loads((smoke / "rl" / "summary.json").read_text())
     assert len(rl["curve"]) == cfg["rl"]["steps"] and rl["version"] == sum(r["updated"] for r in rl["curve"])
     assert rl["trained_groups"] == cfg["rl"]["steps"] and (smoke / "rl" / "model" / "tokenizer.json").exists()
-    assert rl["staleness"] == {"0": sum(rl["staleness"].values())}  # synchronous: every token on-policy
+    # synchronous: every trained token on-policy (none at all where every group was skipped or at advantage 0)
+    assert set(rl["staleness"]) <= {"0"}, rl["staleness"]
     report = (smoke / "report.md").read_text()
     for heading in ("## Agent pass rate on the held-out split", "## RL", "## Stages", "# System checks",
                     "### Sandbox", "## Recipe and environment"):

@@ -118,6 +118,7 @@ def test_unsolved_and_solved_groups_train_on_their_behaviour_terms_or_are_skippe
         changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
         assert bool(changed) == moves, (mode, solved_mode)
         assert stats["updated"] == moves  # the loop makes a new version only for a step that moved
+        assert stats["trained"] == ([0] if moves else [])  # the loop's staleness counts only these
         assert stats["unsolved_groups_skipped"] == (not moves and group is unsolved)
         assert stats["solved_groups_skipped"] == (not moves and group is all_passed)
         assert stats["zero_advantage_groups"] == 0

@@ -549,7 +549,9 @@ class Run:
         t1 = time.perf_counter()
         m = self._publish(store) if st["updated"] else {"seconds": 0.0, "bytes": 0, "raw_bytes": 0}
         samples = [s for _, ss in groups for s in ss]
-        staleness = [before - v for s in samples for q in s.sequences for v, k in zip(q.versions, q.loss_mask) if k]
+        # only the groups the step backpropagated: a skipped group's tokens were sampled, not trained
+        staleness = [before - v for gi in st["trained"] for s in groups[gi][1] for q in s.sequences
+                     for v, k in zip(q.versions, q.loss_mask) if k]
         calls: dict[str, int] = {}
         for s in samples:
             for n, c in s.tool_calls.items():
@@ -560,7 +562,8 @@ class Run:
                      for k in ("episode", "policy", "tools", "grade")}
         now = time.time()
         rec = {"step": len(self.trained) // cfg.groups_per_step, "version": self.version, "updated": st["updated"],
-               "groups": [g for g, _ in groups], "reward": sum(s.reward for s in samples) / len(samples),
+               "groups": [g for g, _ in groups], "groups_backpropagated": [groups[gi][0] for gi in st["trained"]],
+               "reward": sum(s.reward for s in samples) / len(samples),
                "pass_rate": sum(s.passed for s in samples) / len(samples),
                "kl_per_token": st["kl_per_token"], "zero_advantage_groups": st["zero_advantage_groups"],
                "unsolved_groups_skipped": st["unsolved_groups_skipped"],

@@ -227,6 +227,7 @@ class RLTrainer:
                 mass = float(advantage.sum()) if advantage.dim() else a * st["tokens"]
                 stats["advantage_mass"][0 if mass >= 0 else 1] += mass
                 loss.backward()
+                stats["_moved"] = True
                 stats["loss"] += float(loss.detach())
                 stats["trained_tokens"] += st["tokens"]
                 stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
@@ -239,14 +240,17 @@ class RLTrainer:
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
         stats = {"groups": len(groups), "zero_advantage_groups": 0, "unsolved_groups_skipped": 0,
-                 "solved_groups_skipped": 0,
+                 "solved_groups_skipped": 0, "trained": [],
                  "zero_advantage_rollouts": 0, "trained_tokens": 0, "advantage_mass": [0.0, 0.0],
                  "kl": 0.0, "ratio_max": 1.0, "truncated": 0, "loss": 0.0, "bf16": self.bf16}
         self.opt.zero_grad(set_to_none=True)
         # bf16 autocast (`TrainerConfig.bf16`): the blocks' products; the head and the loss stay float32
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            for group in groups:
+            for gi, group in enumerate(groups):
+                stats["_moved"] = False
                 self._train_group(group, stats)
+                if stats.pop("_moved"):
+                    stats["trained"].append(gi)
         grads = [p for p in self.model.parameters() if p.grad is not None]
         stats["updated"] = bool(grads)  # no gradient, no Adam step: the weights are what they were
         if grads:
