@@ -46,12 +46,12 @@ from opencomposer.core.machine import usable_cpus
 from opencomposer.core.metrics import read_jsonl
 from opencomposer.core.rundir import write_atomic
 from opencomposer.evals.runner import episode_seed
-from opencomposer.rl.progress import load_progress, save_progress
 from opencomposer.harness.agent import AgentConfig
 from opencomposer.harness.tools import ALL_TOOLS, ToolConfig
 from opencomposer.rl.curriculum import CurriculumConfig, Hardness, Planner
 from opencomposer.rl.events import EventLog, read_events
 from opencomposer.rl.objective import ObjectiveConfig
+from opencomposer.rl.progress import load_progress, save_progress
 from opencomposer.rl.rewards import RewardConfig
 from opencomposer.rl.rollout import Sample, run_rollout
 from opencomposer.rl.services import RayReplica, Replica, ReplicaProcess, Workers, answered, evaluate, ray_shutdown
