@@ -148,8 +148,9 @@ class RLTrainer:
                 if shared is not None:
                     shared.close()
 
-    def _train_group(self, group: list[Sample], stats: dict) -> None:
-        """One group's forwards and backwards into the step's gradient, its counts into `stats`."""
+    def _train_group(self, group: list[Sample], stats: dict) -> bool:
+        """One group's forwards and backwards into the step's gradient, its counts into `stats`;
+        whether it backpropagated anything."""
         cfg = self.objective
         calls = call_terms(group, cfg.call_advantage)
         # per rollout, per sequence: the copy blame's tokens (`rl/copy_blame.py`), a term of its own like calls'
@@ -163,7 +164,7 @@ class RLTrainer:
         if skipped:
             stats["unsolved_groups_skipped" if unsolved else "solved_groups_skipped"] += 1
             if not calls and not copies:
-                return
+                return False
         # a group the outcome skips trains no reward, so a KL in the reward has nothing to act on there
         self._between()
         refs = self._group_refs(group) if self.ref is not None and not (skipped and cfg.kl_place == "reward") \
@@ -181,7 +182,7 @@ class RLTrainer:
             if zero and not skipped:
                 stats["zero_advantage_groups"] += 1
             if not calls and not copies:
-                return
+                return False
             adv = [0.0] * len(group)
             stats["call_only_groups"] = stats.get("call_only_groups", 0) + 1
         # A rollout at advantage 0 (every one below the mean under `negative_advantages = 0`)
@@ -191,7 +192,7 @@ class RLTrainer:
                 if a != 0.0 or (refs is not None and cfg.kl_place == "loss") or i in calls or i in copies]
         stats["zero_advantage_rollouts"] += len(group) - len(live)
         if not live:
-            return
+            return False
         self._between()
         shared = self._shared(self.model, [group[i] for i in live], grad=True)
         for si in live:
@@ -227,7 +228,6 @@ class RLTrainer:
                 mass = float(advantage.sum()) if advantage.dim() else a * st["tokens"]
                 stats["advantage_mass"][0 if mass >= 0 else 1] += mass
                 loss.backward()
-                stats["_moved"] = True
                 stats["loss"] += float(loss.detach())
                 stats["trained_tokens"] += st["tokens"]
                 stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
@@ -236,6 +236,7 @@ class RLTrainer:
             self._between()
             shared.backward()  # the prompt's backward once, with every rollout's gradient
             stats["shared_prompt_tokens"] = stats.get("shared_prompt_tokens", 0) + shared.length
+        return True
 
     def step(self, groups: list[list[Sample]]) -> dict:
         t0 = time.perf_counter()
@@ -247,9 +248,7 @@ class RLTrainer:
         # bf16 autocast (`TrainerConfig.bf16`): the blocks' products; the head and the loss stay float32
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
             for gi, group in enumerate(groups):
-                stats["_moved"] = False
-                self._train_group(group, stats)
-                if stats.pop("_moved"):
+                if self._train_group(group, stats):
                     stats["trained"].append(gi)
         grads = [p for p in self.model.parameters() if p.grad is not None]
         stats["updated"] = bool(grads)  # no gradient, no Adam step: the weights are what they were
