@@ -55,6 +55,18 @@ def test_toolset_selection_and_schemas():
         assert set(f["parameters"].get("required", [])) <= set(f["parameters"]["properties"])
 
 
+def test_harness_config_enables_only_named_tools():
+    from opencomposer.core.errors import UserError
+    from opencomposer.harness.agent import harness_config
+
+    cfg = harness_config(("read_file", "grep"), max_turns=3, max_wall_s=5.0)
+    names = {s["function"]["name"] for s in build_toolset(cfg.tools).schemas()}
+    assert names == {"read_file", "grep"} and cfg.max_turns == 3 and cfg.max_wall_s == 5.0
+    assert len(build_toolset(harness_config((), 3, 5.0).tools).schemas()) == len(ALL_TOOLS)
+    with pytest.raises(UserError, match=r"unknown tool\(s\) \['nope'\]"):
+        harness_config(("read_file", "nope"), 3, 5.0)
+
+
 def test_dispatch_errors_without_a_sandbox():
     from opencomposer.harness.tools import ToolContext
 

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from opencomposer.core.errors import UserError
 from opencomposer.harness import prompt, schedule
 from opencomposer.harness.policy import Completion, Policy, PolicyError
-from opencomposer.harness.tools import ToolConfig, ToolContext, build_toolset
+from opencomposer.harness.tools import ALL_TOOLS, ToolConfig, ToolContext, build_toolset
 from opencomposer.harness.tools.shell import render_todos
 from opencomposer.harness.trajectory import Segment, ToolCallRecord, Trajectory
 
@@ -66,6 +67,20 @@ class AgentConfig:
     max_parallel: int = 8
     tools: ToolConfig = field(default_factory=ToolConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
+
+
+class HarnessConfigError(ValueError, UserError):
+    pass
+
+
+def harness_config(tools: tuple[str, ...], max_turns: int, max_wall_s: float) -> AgentConfig:
+    """The harness as RL, its evals and the speedrun run it: only `tools` enabled (all when empty)."""
+    unknown = set(tools) - {t.name for t in ALL_TOOLS}
+    if unknown:
+        raise HarnessConfigError(f"unknown tool(s) {sorted(unknown)}; the harness has "
+                                 f"{sorted(t.name for t in ALL_TOOLS)}")
+    enabled = ToolConfig(disabled=tuple(t.name for t in ALL_TOOLS if t.name not in tools)) if tools else ToolConfig()
+    return AgentConfig(max_turns=max_turns, max_wall_s=max_wall_s, tools=enabled)
 
 
 Event = Callable[[str, dict], None]

@@ -46,8 +46,7 @@ from opencomposer.core.machine import usable_cpus
 from opencomposer.core.metrics import read_jsonl
 from opencomposer.core.rundir import write_atomic
 from opencomposer.evals.runner import episode_seed
-from opencomposer.harness.agent import AgentConfig
-from opencomposer.harness.tools import ALL_TOOLS, ToolConfig
+from opencomposer.harness.agent import AgentConfig, harness_config
 from opencomposer.rl.curriculum import CurriculumConfig, Hardness, Planner
 from opencomposer.rl.events import EventLog, read_events
 from opencomposer.rl.objective import ObjectiveConfig
@@ -157,15 +156,6 @@ def thread_split(cfg: RLConfig) -> tuple[int, int]:
 
 def agent_config(cfg: RLConfig) -> AgentConfig:
     return harness_config(cfg.tools, cfg.max_turns, cfg.rollout_timeout_s)
-
-
-def harness_config(tools: tuple[str, ...], max_turns: int, max_wall_s: float) -> AgentConfig:
-    """The harness as RL, its evals and the speedrun run it: only `tools` enabled (all when empty)."""
-    unknown = set(tools) - {t.name for t in ALL_TOOLS}
-    if unknown:
-        raise RLError(f"unknown tool(s) {sorted(unknown)}; the harness has {sorted(t.name for t in ALL_TOOLS)}")
-    enabled = ToolConfig(disabled=tuple(t.name for t in ALL_TOOLS if t.name not in tools)) if tools else ToolConfig()
-    return AgentConfig(max_turns=max_turns, max_wall_s=max_wall_s, tools=enabled)
 
 
 def _plan(n_tasks: int, cfg: RLConfig) -> list[int]:

@@ -55,7 +55,7 @@ class AgentControlConfig:
 
 
 def harness(agent: AgentSettings):
-    from opencomposer.rl.loop import harness_config
+    from opencomposer.harness.agent import harness_config
 
     return harness_config(agent.tools, agent.max_turns, agent.episode_timeout_s)
 
