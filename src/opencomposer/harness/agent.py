@@ -70,7 +70,7 @@ class AgentConfig:
 
 
 class HarnessConfigError(ValueError, UserError):
-    pass
+    """A harness setting that names what the harness does not have (a tool)."""
 
 
 def harness_config(tools: tuple[str, ...], max_turns: int, max_wall_s: float) -> AgentConfig:
