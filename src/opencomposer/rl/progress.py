@@ -5,10 +5,10 @@ steps after it that moved none (`trained.json`).
 A step that moved no weight (every group skipped, or all at advantage 0) leaves model and optimiser
 as `step.pt` holds them, so only the groups it took are written: a few bytes against 1.6 GB for the
 embedded default, whose save took 2-7 s on the 2-core EPYC, and with `solved_groups = "skip"` most
-steps of the default speedrun move nothing (23 of 32 in the run of docs/rl.md, "Only split groups train"). `step.pt` is written first and `trained.json` after
-it, both whole (tmp + rename): `trained.json` counts only while its version is `step.pt`'s, so a
-run killed between the two writes resumes from `step.pt` alone, which lists every group taken up
-to it.
+steps of the default speedrun move nothing (23 of 32 in the run of docs/rl.md, "Only split groups
+train"). `step.pt` is written first and `trained.json` after it, both whole (tmp + rename):
+`trained.json` counts only while its version is `step.pt`'s, so a run killed between the two writes
+resumes from `step.pt` alone, which lists every group taken up to it.
 """
 
 from __future__ import annotations
