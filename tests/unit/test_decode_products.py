@@ -76,6 +76,27 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(kernel):
     assert torch.equal(kernel.products(x[5:6], ws)[0], full[5])
 
 
+
+def test_long_rows_taken_in_chunks_keep_a_rows_bits(kernel):
+    """Past 32 KB of x (K = 1,541 at 6-8 rows) the 8-lane form takes k in chunks: the same bits as
+    without the chunks and as the row alone (fewer rows are not chunked), near the reference."""
+    torch.manual_seed(3)
+    k = 1541  # 3 chunks at 8 rows, and a tail past the last multiple of 8
+    ws = [torch.randn(61, k), torch.randn(30, k + 4)[:, :k]]  # more rows than a tile of 24; a strided weight
+    x = torch.randn(8, k + 3)[:, :k]
+    before = kernel.set_chunked()
+    try:
+        assert kernel.set_chunked(True)
+        full = kernel.products(x, ws)
+        assert (full.double() - _ref(x, ws)).abs().max() < 5e-4
+        for b in (1, 5, 6, 7):
+            assert torch.equal(kernel.products(x[:b], ws), full[:b])
+        assert torch.equal(kernel.products(x[6:7], ws)[0], full[6])
+        assert not kernel.set_chunked(False)
+        assert torch.equal(kernel.products(x, ws), full)
+    finally:
+        kernel.set_chunked(before)
+
 @pytest.fixture
 def no_amx(kernel):
     """The 16- and 8-lane forms past 8 rows: the AMX form off for the test (where it runs at all)."""

@@ -12,6 +12,9 @@ transformers and the roofline"). The kernel below reads each weight row once, fr
 and does all of the step's rows against it while it is in registers: R weight rows at a time, 8
 lanes of k per load, one accumulator per (weight row, input row), split over torch's intra-op
 threads by weight rows. Several weights (q/k/v, gate/up) go in one call with no concatenated copy.
+Where 5-8 rows of x pass 32 KB and so would not stay in L1 (at 6-8 rows SmolLM2's down product, K =
+1,536), the 8-lane form takes k in chunks with the partial sums kept between them: the same bits,
+1.08-1.30x on 60 such products on the AVX2-only EPYC (`set_chunked`; docs/inference.md).
 It prefetches the weight rows two blocks ahead into L2 while it works on a block, so the reads
 overlap the arithmetic: on the AMD EPYC (Zen 4) SmolLM2's layer products took 15.4 / 17.5 / 44.8 ms
 at 1 / 8 / 32 rows so, against 18.2 / 23.3 / 51.7 when it prefetched one block ahead into L1 from 4
@@ -144,6 +147,62 @@ static void block(const float* x, int64_t sx, const float* w, int64_t sw, float*
   if (R > 1 && n < n1) block<1, B>(x, sx, w, sw, y, sy, K, n, n1);
 }
 
+// Whether 5-8 inputs of long rows take k in chunks (`block_chunked`); a switch for comparisons, since
+// both give the same bits.
+static std::atomic<bool> g_chunked{true};
+int64_t set_chunked(int64_t on) {
+  if (on >= 0) g_chunked = on != 0;
+  return g_chunked ? 1 : 0;
+}
+
+// `block<1, B>` with k in chunks whose B input rows fit in L1 (16 KB of them), for 5-8 inputs whose
+// rows do not (more than 32 KB: K above 1,024 at 8 rows, as the MLP's down product, K = 1,536 in
+// SmolLM2). Otherwise every weight row reads all of x again from L2, and a k-step's 8 input loads wait
+// on it: at 8 rows that product streamed its weights at ~7 GB/s on the AVX2-only EPYC (Zen 3), 2
+// threads, against ~19 at K = 576. On that host 60 such products (576 x 1,536, cold) ran 1.20x /
+// 1.30x / 1.08x faster so at 8 / 7 / 6 rows, and 0.98x at 5 (30 KB of x, left unchunked). A tile of T
+// weight rows takes chunk after chunk, each row's 8-lane partial sums kept in `part` between chunks:
+// the same FMAs in the same order per lane, so the same bits as `block`. Weight bytes are still read
+// once, a row's chunk at a time.
+template <int B>
+static void block_chunked(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
+                          int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t T = 24;
+  alignas(32) float part[T][B][8];
+  const int64_t K8 = K & ~int64_t(7);
+  const int64_t chunks = (B * K8 * 4 + 16 * 1024 - 1) / (16 * 1024);
+  const int64_t KC = ((K8 + chunks - 1) / chunks + 7) & ~int64_t(7);
+  for (int64_t t0 = n0; t0 < n1; t0 += T) {
+    const int64_t t1 = std::min(n1, t0 + T);
+    for (int64_t k0 = 0; k0 < K8; k0 += KC) {
+      const int64_t k1 = std::min(K8, k0 + KC);
+      for (int64_t n = t0; n < t1; ++n) {
+        __m256 acc[B];
+        for (int b = 0; b < B; ++b) acc[b] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(part[n - t0][b]);
+        const float* wr = w + n * sw;
+        // the row read two rows after this one, in this order: within the tile, this chunk; past its
+        // end, the tile's first rows at the next chunk (or the next tile's, after the last chunk)
+        const float* ahead = n + 2 < t1 ? w + (n + 2) * sw : k1 < K8 ? w + (t0 + n + 2 - t1) * sw + KC
+                                                                     : w + (n + 2) * sw - k0;
+        for (int64_t k = k0; k < k1; k += 8) {
+          const __m256 wv = _mm256_loadu_ps(wr + k);
+          if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T1);
+          for (int b = 0; b < B; ++b) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * sx + k), acc[b]);
+        }
+        if (k1 < K8) {
+          for (int b = 0; b < B; ++b) _mm256_store_ps(part[n - t0][b], acc[b]);
+          continue;
+        }
+        for (int b = 0; b < B; ++b) {
+          float s = hsum(acc[b]);
+          for (int64_t k = K8; k < K; ++k) s += x[b * sx + k] * wr[k];
+          y[b * sy + n] = s;
+        }
+      }
+    }
+  }
+}
+
 template <int B>
 static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy, int64_t K,
                     int64_t n0, int64_t n1, Ahead*) {
@@ -151,7 +210,10 @@ static void rows_of(const float* x, int64_t sx, const float* w, int64_t sw, floa
   // inputs, 3 weight rows: 7 loads feed 12 FMAs (at 8 inputs, 9 feed 8), which is what more than 8
   // rows run on (below).
   constexpr int R = B <= 2 ? 4 : B <= 4 ? 3 : 1;
-  block<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
+  if (R == 1 && B * K * 4 > 32 * 1024 && g_chunked)
+    block_chunked<B>(x, sx, w, sw, y, sy, K, n0, n1);
+  else
+    block<R, B>(x, sx, w, sw, y, sy, K, n0, n1);
 }
 
 // The same products in 16 lanes, for CPUs with AVX-512 (compiled for it here, chosen at run time):
@@ -318,6 +380,7 @@ TORCH_LIBRARY(opencomposer_decode, m) {
   m.def("products(Tensor x, Tensor[] ws) -> Tensor");
   m.def("set_wide(int on) -> int", &set_wide);
   m.def("set_amx(int on) -> int", &set_amx);
+  m.def("set_chunked(int on) -> int", &set_chunked);
 }
 TORCH_LIBRARY_IMPL(opencomposer_decode, CPU, m) { m.impl("products", &products); }
 """
@@ -377,6 +440,16 @@ def set_amx(on: bool | None = None) -> bool:
         return False
     _state["amx"] = bool(torch.ops.opencomposer_decode.set_amx(-1 if on is None else int(bool(on))))
     return _state["amx"]
+
+
+def set_chunked(on: bool | None = None) -> bool:
+    """Whether products of 5-8 rows whose rows of x pass 32 KB (K above 1,024 at 8 rows) take k in
+    chunks in the 8-lane form (on by default; the same bits either way), after choosing it or, with
+    None, only asking; False where the kernel is not built. A switch for comparisons."""
+    op = load()
+    if op is None:
+        return False
+    return bool(torch.ops.opencomposer_decode.set_chunked(-1 if on is None else int(bool(on))))
 
 
 def unavailable() -> str | None:
