@@ -14,7 +14,7 @@ lanes of k per load, one accumulator per (weight row, input row), split over tor
 threads by weight rows. Several weights (q/k/v, gate/up) go in one call with no concatenated copy.
 Where 5-8 rows of x pass 32 KB and so would not stay in L1 (at 6-8 rows SmolLM2's down product, K =
 1,536), the 8-lane form takes k in chunks with the partial sums kept between them: the same bits,
-1.08-1.30x on 60 such products on the AVX2-only EPYC (`set_chunked`; docs/inference.md).
+1.08-1.30x on 60 such products at 6-8 rows on the AVX2-only EPYC (`set_chunked`; docs/inference.md).
 It prefetches the weight rows two blocks ahead into L2 while it works on a block, so the reads
 overlap the arithmetic: on the AMD EPYC (Zen 4) SmolLM2's layer products took 15.4 / 17.5 / 44.8 ms
 at 1 / 8 / 32 rows so, against 18.2 / 23.3 / 51.7 when it prefetched one block ahead into L1 from 4
@@ -159,8 +159,9 @@ int64_t set_chunked(int64_t on) {
 // rows do not (more than 32 KB: K above 1,024 at 8 rows, as the MLP's down product, K = 1,536 in
 // SmolLM2). Otherwise every weight row reads all of x again from L2, and a k-step's 8 input loads wait
 // on it: at 8 rows that product streamed its weights at ~7 GB/s on the AVX2-only EPYC (Zen 3), 2
-// threads, against ~19 at K = 576. On that host 60 such products (576 x 1,536, cold) ran 1.20x /
-// 1.30x / 1.08x faster so at 8 / 7 / 6 rows, and 0.98x at 5 (30 KB of x, left unchunked). A tile of T
+// threads, against ~19 at K = 576. On that host 60 such products (576 x 1,536, cold) ran 1.15-1.20x /
+// 1.17-1.30x / 1.08x faster so at 8 / 7 / 6 rows (two runs), and 0.96-0.98x at 5 (30 KB of x, left
+// unchunked). A tile of T
 // weight rows takes chunk after chunk, each row's 8-lane partial sums kept in `part` between chunks:
 // the same FMAs in the same order per lane, so the same bits as `block`. Weight bytes are still read
 // once, a row's chunk at a time.
