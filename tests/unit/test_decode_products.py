@@ -76,7 +76,6 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_batch(kernel):
     assert torch.equal(kernel.products(x[5:6], ws)[0], full[5])
 
 
-
 def test_long_rows_taken_in_chunks_keep_a_rows_bits(kernel):
     """Past 32 KB of x (K = 1,541 at 6-8 rows) the 8-lane form takes k in chunks: the same bits as
     without the chunks and as the row alone (fewer rows are not chunked), near the reference."""
@@ -96,6 +95,7 @@ def test_long_rows_taken_in_chunks_keep_a_rows_bits(kernel):
         assert torch.equal(kernel.products(x, ws), full)
     finally:
         kernel.set_chunked(before)
+
 
 @pytest.fixture
 def no_amx(kernel):

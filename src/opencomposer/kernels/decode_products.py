@@ -161,10 +161,9 @@ int64_t set_chunked(int64_t on) {
 // on it: at 8 rows that product streamed its weights at ~7 GB/s on the AVX2-only EPYC (Zen 3), 2
 // threads, against ~19 at K = 576. On that host 60 such products (576 x 1,536, cold) ran 1.15-1.20x /
 // 1.17-1.30x / 1.08x faster so at 8 / 7 / 6 rows (two runs), and 0.96-0.98x at 5 (30 KB of x, left
-// unchunked). A tile of T
-// weight rows takes chunk after chunk, each row's 8-lane partial sums kept in `part` between chunks:
-// the same FMAs in the same order per lane, so the same bits as `block`. Weight bytes are still read
-// once, a row's chunk at a time.
+// unchunked). A tile of T weight rows takes chunk after chunk, each row's 8-lane partial sums kept in
+// `part` between chunks: the same FMAs in the same order per lane, so the same bits as `block`. Weight
+// bytes are still read once, a row's chunk at a time.
 template <int B>
 static void block_chunked(const float* x, int64_t sx, const float* w, int64_t sw, float* y, int64_t sy,
                           int64_t K, int64_t n0, int64_t n1) {
