@@ -421,13 +421,18 @@ def load():
     return _state["op"]
 
 
+def _switch(name: str, on: bool | None) -> bool:
+    """The C++ switch `name` (1 or 0 to choose, -1 to ask), returning the choice in force; False
+    where the kernel is not built."""
+    if load() is None:
+        return False
+    return bool(getattr(torch.ops.opencomposer_decode, name)(-1 if on is None else int(bool(on))))
+
+
 def set_wide(on: bool | None = None) -> bool:
     """Whether the 16-lane (AVX-512) kernel runs, after choosing it (on: only where the CPU has
     AVX-512F) or, with None, only asking; False where the kernel is not built."""
-    op = load()
-    if op is None:
-        return False
-    return bool(torch.ops.opencomposer_decode.set_wide(-1 if on is None else int(bool(on))))
+    return _switch("set_wide", on)
 
 
 def set_amx(on: bool | None = None) -> bool:
@@ -435,10 +440,9 @@ def set_amx(on: bool | None = None) -> bool:
     the AMX form, after choosing it (on: only where the CPU has AMX-BF16 and AVX-512 BF16, Linux
     grants the tiles and the compiler knows them) or, with None, only asking; False where the kernel
     is not built. On by default where it can run, unless OPENCOMPOSER_DECODE_AMX=off."""
-    op = load()
-    if op is None:
+    if load() is None:
         return False
-    _state["amx"] = bool(torch.ops.opencomposer_decode.set_amx(-1 if on is None else int(bool(on))))
+    _state["amx"] = _switch("set_amx", on)
     return _state["amx"]
 
 
@@ -446,10 +450,7 @@ def set_chunked(on: bool | None = None) -> bool:
     """Whether products of 5-8 rows whose rows of x pass 32 KB (K above 1,024 at 8 rows) take k in
     chunks in the 8-lane form (on by default; the same bits either way), after choosing it or, with
     None, only asking; False where the kernel is not built. A switch for comparisons."""
-    op = load()
-    if op is None:
-        return False
-    return bool(torch.ops.opencomposer_decode.set_chunked(-1 if on is None else int(bool(on))))
+    return _switch("set_chunked", on)
 
 
 def unavailable() -> str | None:
