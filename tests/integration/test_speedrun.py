@@ -144,7 +144,7 @@ def numbers(run: Path) -> dict:
 
 @pytest.mark.timeout(2 * SMOKE_LIMIT_S)  # the module's smoke run is set up in the first of these
 def test_killed_mid_stage_and_resumed_ends_with_the_same_numbers(smoke, tmp_path):
-    """The uninterrupted run's folder as it stood when SFT ended is copied (the stages before are
+    """The uninterrupted run's folder as it stood when RL started is copied (the stages before are
     not repeated: that would double the test's time); the speedrun continues it, is SIGKILLed once
     RL has trained its first step, and a second invocation finishes it."""
     run = tmp_path / "runs" / smoke.name
@@ -152,11 +152,10 @@ def test_killed_mid_stage_and_resumed_ends_with_the_same_numbers(smoke, tmp_path
     def link_weights(src, dst):  # finished stages' weights are only read again: links, not 1.5 GB of copies
         return os.link(src, dst) if src.endswith(".safetensors") else shutil.copy2(src, dst)
 
-    shutil.copytree(smoke, run, ignore=shutil.ignore_patterns("agent_sft", "rl", "agent_rl", "agent_control",
-                                                                   "report.*"),
+    shutil.copytree(smoke, run, ignore=shutil.ignore_patterns("rl", "agent_rl", "agent_control", "report.*"),
                     copy_function=link_weights)
     ev = events(run)
-    cut = next(i for i, e in enumerate(ev) if e["event"] == "stage_start" and e["stage"] == "agent_sft")
+    cut = next(i for i, e in enumerate(ev) if e["event"] == "stage_start" and e["stage"] == "rl")
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev[:cut]))
     p = subprocess.Popen([*BIN, "speedrun", "--preset", "smoke", f"--out_dir={tmp_path / 'runs'}"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -175,7 +174,8 @@ def test_killed_mid_stage_and_resumed_ends_with_the_same_numbers(smoke, tmp_path
     assert [d.name for d in (tmp_path / "runs").iterdir()] == [smoke.name]
     ev = events(run)
     starts = [e["stage"] for e in ev if e["event"] == "stage_start"]
-    assert starts.count("rl") == 2 and starts.count("cpt") == 1 and starts.count("agent_sft") == 1
+    assert starts.count("rl") == 2 and starts.count("cpt") == 1 and starts.count("agent_sft") == 1 \
+        and starts.count("agent_rl") == 1
     rl = [json.loads(x) for x in (run / "rl" / "events.jsonl").read_text().splitlines()]
     trained = [e["sample"] for e in rl if e["kind"] == "trained"]
     assert len(trained) == len(set(trained))  # nothing trained twice
