@@ -73,6 +73,24 @@ def test_same_loss_and_gradients_as_the_padded_batch():
     assert not torch.allclose(other["layers.0.self_attn.q_proj.weight"], want["layers.0.self_attn.q_proj.weight"])
 
 
+def test_the_loss_before_and_after_training_is_the_padded_batchs():
+    """SFT's evaluation (`mean_loss`) with the prompt computed once gives the padded batches' mean."""
+    from opencomposer.train.sft import mean_loss
+
+    model = dense().train()
+    examples = [Example(i, lab) for i, lab in rows()]
+    padded = mean_loss(model, examples, pad=0, batch_size=2)
+    shared = mean_loss(model, examples, pad=0, batch_size=2, share_prefix=True)
+    assert model.training  # put back as it was
+    assert shared == pytest.approx(padded, rel=1e-5)
+    other = mean_loss(model, [Example(i, lab) for i, lab in rows(seed=2)], pad=0, batch_size=2, share_prefix=True)
+    assert other != pytest.approx(padded, rel=1e-3)  # the comparison above can fail
+    # rows that share nothing are evaluated padded
+    apart = [examples[0], Example([7] + examples[1].ids[1:], examples[1].labels)]
+    assert mean_loss(model, apart, pad=0, batch_size=1, share_prefix=True) == mean_loss(model, apart, pad=0,
+                                                                                         batch_size=1)
+
+
 def test_prefix_stops_before_the_first_labelled_token_and_at_the_first_difference():
     a = ([1, 2, 3, 4, 5, 6], [IGNORE, IGNORE, IGNORE, 4, 5, 6])  # label 3 is predicted from position 2
     b = ([1, 2, 3, 4, 9, 9], [IGNORE] * 4 + [9, 9])

@@ -116,14 +116,22 @@ def default_tool_schemas() -> list[dict]:
 
 
 @torch.no_grad()
-def mean_loss(model, examples: list[Example], pad: int, batch_size: int) -> float | None:
+def mean_loss(model, examples: list[Example], pad: int, batch_size: int, share_prefix: bool = False) -> float | None:
+    """The mean cross-entropy over the examples' labelled tokens. `share_prefix`: the prompt all of
+    them share is computed once (`shared_prefix.loss_sum`), as in training (docs/train.md, "SFT")."""
     from opencomposer.model.loss import cross_entropy
+    from opencomposer.train import shared_prefix
 
     if not examples:
         return None
     was = model.training
     model.eval()
     total, count = 0.0, 0
+    batch = SharedPrefixBatch.of([(e.ids, e.labels) for e in examples]) if share_prefix and len(examples) > 1 \
+        else None
+    if batch is not None and batch.prefix:
+        total, count = shared_prefix.loss_sum(model, batch)
+        examples = []
     for i in range(0, len(examples), batch_size):
         ids, seg, lab = collate(examples[i:i + batch_size], pad)
         h = model.run(ids, logits=False, segments=seg).hidden
@@ -184,9 +192,10 @@ def run(cfg: SFTConfig, *, run_dir: RunDir | None = None, data_dir: Path = Path(
                           tokenizer_json=folder / "tokenizer.json")
         pos = trainer.resume()
         order.update(pos.get("order", {}))
-        before = mean_loss(model, held or train[:8], pad, cfg.optim.batch_size)
+        shared = cfg.share_prefix and trainer.world == 1  # as the batches
+        before = mean_loss(model, held or train[:8], pad, cfg.optim.batch_size, shared)
         history = trainer.run(batches, lambda: {"order": dict(order)}, on_progress=progress)
-        after = mean_loss(model, held or train[:8], pad, cfg.optim.batch_size)
+        after = mean_loss(model, held or train[:8], pad, cfg.optim.batch_size, shared)
         metrics.log(step=trainer.step, sft_loss_before=before, sft_loss_after=after)
     out = export(model, folder, run_dir.root / "model")
     summary = {"base": str(folder), "model": str(out), "examples": len(train), "heldout_examples": len(held),

@@ -75,3 +75,25 @@ def backward(model: torch.nn.Module, batch: SharedPrefixBatch, scale: float = 1.
     if cache is not None:
         cache.backward()
     return total
+
+
+@torch.no_grad()
+def loss_sum(model: torch.nn.Module, batch: SharedPrefixBatch) -> tuple[float, int]:
+    """(summed cross-entropy over the batch's labelled tokens, their count), the prefix computed
+    once: an evaluation (no graph). SFT's loss before and after training runs on rows that share
+    the harness's prompt, most of each row (`sft.mean_loss`)."""
+    p = batch.prefix
+    cache = PrefixKV(len(model.layers)) if p else None
+    if cache is not None:
+        model(torch.tensor([batch.ids[0][:p]], dtype=torch.long), logits=False, cache=cache)
+        cache.freeze()
+    total, count = 0.0, 0
+    for ids, labels in zip(batch.ids, batch.labels):
+        n = sum(1 for x in labels[1:] if x != IGNORE)
+        if n == 0:
+            continue
+        h = model(torch.tensor([ids[p:]], dtype=torch.long), logits=False, cache=cache).hidden
+        target = torch.tensor([labels[p + 1:]], dtype=torch.long)
+        total += float(cross_entropy(h[:, :-1], model.lm_head.weight, target)) * n
+        count += n
+    return total, count
