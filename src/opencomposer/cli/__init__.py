@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-c", "--config", help="a TOML recipe of your own (instead of a preset)")
     sp.add_argument("--preset", default="default",
                     help="a recipe in configs/speedrun-<preset>.toml: default (renames of at most two places, "
-                         "sized toward an hour on 2 CPU cores), smoke (under 10 minutes), renames-small (the "
+                         "sized toward an hour on 2 CPU cores), smoke (4.5-11 minutes), renames-small (the "
                          "default's family with more SFT and RL and the lr-0 control), renames (larger renames), "
                          "bugfix (the bug-fix family), gpu-8b (documents the GPU path)")
     sp.add_argument("--fresh", action="store_true", help="start a new run even if an unfinished one exists")
