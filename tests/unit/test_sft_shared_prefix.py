@@ -73,15 +73,17 @@ def test_same_loss_and_gradients_as_the_padded_batch():
     assert not torch.allclose(other["layers.0.self_attn.q_proj.weight"], want["layers.0.self_attn.q_proj.weight"])
 
 
-def test_the_loss_before_and_after_training_is_the_padded_batchs():
+def test_the_loss_before_and_after_training_is_the_padded_batchs(monkeypatch):
     """SFT's evaluation (`mean_loss`) with the prompt computed once gives the padded batches' mean."""
     from opencomposer.train.sft import mean_loss
 
     model = dense().train()
     examples = [Example(i, lab) for i, lab in rows()]
     padded = mean_loss(model, examples, pad=0, batch_size=2)
+    calls, loss_sum = [], shared_prefix.loss_sum
+    monkeypatch.setattr(shared_prefix, "loss_sum", lambda m, b: calls.append(b.prefix) or loss_sum(m, b))
     shared = mean_loss(model, examples, pad=0, batch_size=2, share_prefix=True)
-    assert model.training  # put back as it was
+    assert calls == [30] and model.training  # the prompt computed once; the mode put back as it was
     assert shared == pytest.approx(padded, rel=1e-5)
     other = mean_loss(model, [Example(i, lab) for i, lab in rows(seed=2)], pad=0, batch_size=2, share_prefix=True)
     assert other != pytest.approx(padded, rel=1e-3)  # the comparison above can fail
