@@ -131,7 +131,8 @@ def mean_loss(model, examples: list[Example], pad: int, batch_size: int, share_p
         else None
     if batch is not None and batch.prefix:
         total, count = shared_prefix.loss_sum(model, batch)
-        examples = []
+        model.train(was)
+        return total / count if count else None
     for i in range(0, len(examples), batch_size):
         ids, seg, lab = collate(examples[i:i + batch_size], pad)
         h = model.run(ids, logits=False, segments=seg).hidden

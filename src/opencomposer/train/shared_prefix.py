@@ -49,27 +49,38 @@ class SharedPrefixBatch:
         return self.prefix + sum(len(ids) - self.prefix for ids in self.ids)
 
 
+def _prefix(model: torch.nn.Module, batch: SharedPrefixBatch) -> PrefixKV | None:
+    """The keys and values of the batch's shared prefix, computed once (None where it shares none)."""
+    if not batch.prefix:
+        return None
+    cache = PrefixKV(len(model.layers))
+    model(torch.tensor([batch.ids[0][:batch.prefix]], dtype=torch.long), logits=False, cache=cache)
+    cache.freeze()
+    return cache
+
+
+def _row_losses(model: torch.nn.Module, batch: SharedPrefixBatch, cache: PrefixKV | None):
+    """(each labelled row's mean cross-entropy, its labelled tokens), one row's forward at a time on
+    top of the prefix: the caller backpropagates a row before the next one is computed."""
+    p = batch.prefix
+    for ids, labels in zip(batch.ids, batch.labels):
+        n = sum(1 for x in labels[1:] if x != IGNORE)
+        if n == 0:
+            continue
+        h = model(torch.tensor([ids[p:]], dtype=torch.long), logits=False, cache=cache).hidden
+        # hidden at position i predicts ids[i + 1]; the row's positions are p .. len - 1
+        yield cross_entropy(h[:, :-1], model.lm_head.weight, torch.tensor([labels[p + 1:]], dtype=torch.long)), n
+
+
 def backward(model: torch.nn.Module, batch: SharedPrefixBatch, scale: float = 1.0) -> float:
     """Backpropagate `scale` x the batch's mean cross-entropy over labelled tokens into the model's
     gradients; returns that mean (unscaled). One row's graph at a time besides the prefix's."""
     count = batch.labelled()
     if count == 0:
         return 0.0
-    p = batch.prefix
-    cache = PrefixKV(len(model.layers)) if p else None
-    if cache is not None:
-        model(torch.tensor([batch.ids[0][:p]], dtype=torch.long), logits=False, cache=cache)
-        cache.freeze()
+    cache = _prefix(model, batch)
     total = 0.0
-    for ids, labels in zip(batch.ids, batch.labels):
-        n = sum(1 for x in labels[1:] if x != IGNORE)
-        if n == 0:
-            continue
-        x = torch.tensor([ids[p:]], dtype=torch.long)
-        h = model(x, logits=False, cache=cache).hidden
-        # hidden at position i predicts ids[i + 1]; the row's positions are p .. len - 1
-        target = torch.tensor([labels[p + 1:]], dtype=torch.long)
-        loss = cross_entropy(h[:, :-1], model.lm_head.weight, target)  # this row's mean
+    for loss, n in _row_losses(model, batch, cache):  # each row's mean
         (loss * (scale * n / count)).backward()
         total += float(loss.detach()) * n / count
     if cache is not None:
@@ -82,18 +93,5 @@ def loss_sum(model: torch.nn.Module, batch: SharedPrefixBatch) -> tuple[float, i
     """(summed cross-entropy over the batch's labelled tokens, their count), the prefix computed
     once: an evaluation (no graph). SFT's loss before and after training runs on rows that share
     the harness's prompt, most of each row (`sft.mean_loss`)."""
-    p = batch.prefix
-    cache = PrefixKV(len(model.layers)) if p else None
-    if cache is not None:
-        model(torch.tensor([batch.ids[0][:p]], dtype=torch.long), logits=False, cache=cache)
-        cache.freeze()
-    total, count = 0.0, 0
-    for ids, labels in zip(batch.ids, batch.labels):
-        n = sum(1 for x in labels[1:] if x != IGNORE)
-        if n == 0:
-            continue
-        h = model(torch.tensor([ids[p:]], dtype=torch.long), logits=False, cache=cache).hidden
-        target = torch.tensor([labels[p + 1:]], dtype=torch.long)
-        total += float(cross_entropy(h[:, :-1], model.lm_head.weight, target)) * n
-        count += n
-    return total, count
+    rows = [(float(loss), n) for loss, n in _row_losses(model, batch, _prefix(model, batch))]
+    return sum(loss * n for loss, n in rows), sum(n for _, n in rows)
