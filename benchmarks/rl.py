@@ -1,6 +1,6 @@
 """RL throughput, measured side by side in one run:
 
-    .venv/bin/python benchmarks/rl.py [--part all|train,sync,pipeline,threads] [--steps 8] [--rounds 3]
+    .venv/bin/python benchmarks/rl.py [--part all|train,sync,pipeline,threads] [--steps 12] [--rounds 3]
                                       # writes "rl-<part>" sections in docs/benchmarks.md
 
 - train: one trainer step of SmolLM2-135M on a group of G=4 rollouts sharing a harness prompt (the
@@ -19,8 +19,10 @@
   bug, the real harness, sandboxes and server). Rollout times here are short and even, so a
   long tail is added: before each rollout, a sleep drawn from a Pareto distribution (alpha 1.5,
   scale 1 s, capped at 30 s), seeded by the sample's id so both modes see the same delays. This
-  stands in for the long tail of real agent episodes; the sleep is the only thing added. Final
-  reward: the held-out pass rate (16 samples) of each run's last policy, to compare at equal reward.
+  stands in for the long tail of real agent episodes; the sleep is the only thing added. Both
+  modes train at the RL test's learning rate for `--steps` steps (12, the test's: the tiny model
+  learns in them), `--rounds` times, alternating. Final reward: the held-out pass rate (16
+  samples) of each run's last policy, to compare at equal reward.
 - threads: the trainer (forward + backward of a G = 4 group) and the engine (prefill + decode of 8
   sequences) in two processes, as the RL loop runs them: each alone with every core, then side by
   side with every core each (torch's default) against the cores split between them
@@ -248,13 +250,13 @@ def pareto_delay(sample_id: str, index: int) -> float:
     return min(30.0, rng.paretovariate(1.5))
 
 
-def part_pipeline(tmp: Path, steps: int) -> dict:
+def part_pipeline(tmp: Path, steps: int, rounds: int) -> dict:
     from opencomposer.core.metrics import read_jsonl
     from opencomposer.rl import loop
     from opencomposer.rl.events import read_events
     from opencomposer.rl.stage import staleness
     from tests.integration.rl_family import build_family
-    from tests.integration.test_rl_loop import config
+    from tests.integration.test_rl_loop import LR, config
 
     family = build_family(tmp / "family")
     real = loop.run_rollout
@@ -264,25 +266,36 @@ def part_pipeline(tmp: Path, steps: int) -> dict:
         return real(task, sample, *a, **kw)
 
     loop.run_rollout = delayed
-    out = {}
+    runs: dict[str, list[dict]] = {"async": [], "sync": []}
     try:
-        for name, kw in (("async", {"max_inflight_groups": 2, "sync": False}), ("sync", {"sync": True})):
-            # threads: the Pareto delay is patched into this process's rollout function
-            cfg = dataclasses.replace(config(family, lr=2e-4, steps=steps), workers=8, eval_every=0,
-                                      services="threads", **kw)
-            d = tmp / name
-            summary = loop.Run(cfg, d).run()
-            ev = read_events(d / "events.jsonl")
-            start = next(e["t"] for e in ev if e["kind"] == "queued")  # after the held-out eval at the start
-            last = max(e["t"] for e in ev if e["kind"] == "step")
-            trained = sum(1 for e in ev if e["kind"] == "trained")
-            stale = staleness(list(read_jsonl(d / "metrics.jsonl")))
-            out[name] = {"samples_per_min": trained / ((last - start) / 60), "seconds": last - start,
-                         "trained": trained, "final_pass_rate": summary["eval_end"]["accuracy"],
-                         "start_pass_rate": summary["eval_start"]["accuracy"], "staleness": stale}
+        for r in range(rounds):  # the two modes alternate, so the machine's drift falls on both
+            for name, kw in (("async", {"max_inflight_groups": 2, "sync": False}), ("sync", {"sync": True})):
+                # threads: the Pareto delay is patched into this process's rollout function. The RL
+                # test's learning rate and seeds: at it the tiny model learns in the test's 12 steps
+                cfg = dataclasses.replace(config(family, lr=LR, steps=steps), workers=8, eval_every=0,
+                                          services="threads", **kw)
+                d = tmp / f"{name}-{r}"
+                summary = loop.Run(cfg, d).run()
+                ev = read_events(d / "events.jsonl")
+                start = next(e["t"] for e in ev if e["kind"] == "queued")  # after the held-out eval at the start
+                last = max(e["t"] for e in ev if e["kind"] == "step")
+                trained = sum(1 for e in ev if e["kind"] == "trained")
+                runs[name].append({"samples_per_min": trained / ((last - start) / 60), "seconds": last - start,
+                                   "trained": trained, "final_pass_rate": summary["eval_end"]["accuracy"],
+                                   "start_pass_rate": summary["eval_start"]["accuracy"],
+                                   "staleness": staleness(list(read_jsonl(d / "metrics.jsonl")))})
+                print(name, r, json.dumps(runs[name][-1], default=str), flush=True)
     finally:
         loop.run_rollout = real
-    out["ratio"] = out["async"]["samples_per_min"] / out["sync"]["samples_per_min"]
+    out: dict = {"steps": steps, "rounds": rounds, "runs": runs}
+    for name, rs in runs.items():
+        out[name] = {k: statistics.median(x[k] for x in rs)
+                     for k in ("samples_per_min", "seconds", "start_pass_rate", "final_pass_rate")}
+        out[name]["staleness"] = {v: sum(x["staleness"].get(v, 0) for x in rs)
+                                  for v in sorted({v for x in rs for v in x["staleness"]}, key=int)}
+    out["ratios"] = [a["samples_per_min"] / s["samples_per_min"] for a, s in zip(runs["async"], runs["sync"],
+                                                                                   strict=True)]
+    out["ratio"] = statistics.median(out["ratios"])
     return out
 
 
@@ -316,23 +329,24 @@ def markdown(res: dict, cmd: str, note: str = "") -> str:
                   ""]
     if "pipeline" in res:
         p = res["pipeline"]
-        lines += ["**Asynchronous against synchronous** (tiny task family, Pareto-delayed rollouts; see the script):",
-                  "", "| | samples trained / min | seconds | held-out pass rate start -> end | staleness "
-                  "(versions: tokens) |", "|---|---|---|---|---|"]
+        lines += [(f"**Asynchronous against synchronous** (tiny task family, Pareto-delayed rollouts, {p['steps']} "
+                   f"steps a run, {p['rounds']} rounds alternating the two modes; medians; see the script):"),
+                  "", ("| | samples trained / min | seconds | held-out pass rate start -> end | staleness "
+                       "(versions: tokens, all rounds) |"), "|---|---|---|---|---|"]
         for k in ("async", "sync"):
             r = p[k]
-            st = ", ".join(f"{a}: {b}" for a, b in sorted(r["staleness"].items(), key=lambda kv: int(kv[0])))
+            st = ", ".join(f"{a}: {b}" for a, b in r["staleness"].items())
             lines.append(f"| {k} | {r['samples_per_min']:.1f} | {r['seconds']:.0f} | {r['start_pass_rate']:.0%} -> "
                          f"{r['final_pass_rate']:.0%} | {st} |")
-        a, s = p["async"], p["sync"]
-        if a["final_pass_rate"] == s["final_pass_rate"] == a["start_pass_rate"] == s["start_pass_rate"]:
-            reward = (f"The final reward is equal only trivially: both runs started and ended at "
-                      f"{a['final_pass_rate']:.0%} held out, so the comparison at a reward that moves is not shown.")
-        else:
-            reward = (f"Final held-out pass rate: async {a['final_pass_rate']:.0%}, sync {s['final_pass_rate']:.0%} "
-                      f"(16 samples each).")
-        lines += ["", f"Ratio: **{p['ratio']:.2f}x** samples per minute (goal 1.5x at equal final reward). One run "
-                  f"each, not a median. {reward}", ""]
+        per_round = "; ".join(
+            f"{ra:.2f}x ({a['start_pass_rate']:.0%} -> {a['final_pass_rate']:.0%} against "
+            f"{s['start_pass_rate']:.0%} -> {s['final_pass_rate']:.0%})"
+            for ra, a, s in zip(p["ratios"], p["runs"]["async"], p["runs"]["sync"], strict=True))
+        moved = any(x["final_pass_rate"] != x["start_pass_rate"] for rs in p["runs"].values() for x in rs)
+        reward = ("" if moved else " The reward did not move in any run, so equal final reward is only trivial here.")
+        lines += ["", (f"Ratio: **{p['ratio']:.2f}x** samples per minute, median of the rounds (goal 1.5x at equal "
+                       f"final reward; the held-out pass rates are of 16 samples each). Per round, the ratio and the "
+                       f"held-out start -> end, async against sync: {per_round}.{reward}"), ""]
     if "threads" in res:
         t = res["threads"]
         tps = t["tokens_per_s"]
@@ -356,7 +370,7 @@ def markdown(res: dict, cmd: str, note: str = "") -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="all", help="all, or a comma-separated list of train, sync, pipeline, threads")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12, help="pipeline: steps a run (the RL test's 12)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     ap.add_argument("--seconds", type=float, default=60.0, help="threads: seconds each side runs a round")
@@ -375,12 +389,12 @@ def main() -> int:
             d = Path(tmp) / p
             d.mkdir()
             res[p] = {"train": lambda: part_train(d, args.rounds), "sync": lambda: part_sync(d, args.rounds),
-                      "pipeline": lambda: part_pipeline(d, args.steps),
+                      "pipeline": lambda: part_pipeline(d, args.steps, args.rounds),
                       "threads": lambda: part_threads(d, args.rounds, args.seconds)}[p]()
             print(json.dumps(res[p], indent=1, default=str), flush=True)
     for p in parts:  # one section per part, so parts can be measured in separate invocations
-        md = markdown({p: res[p]}, f"benchmarks/rl.py --part {p}" + (f" --steps {args.steps}" if p == "pipeline"
-                                                                       else f" --rounds {args.rounds}")
+        md = markdown({p: res[p]}, f"benchmarks/rl.py --part {p}" + f" --rounds {args.rounds}"
+                      + (f" --steps {args.steps}" if p == "pipeline" else "")
                       + (f" --seconds {args.seconds:g}" if p == "threads" else ""), args.note)
         write_section(ROOT / "docs" / "benchmarks.md", f"rl-{p}", md)
         print(md)
