@@ -128,6 +128,22 @@ def test_the_speedrun_rl_stage_hands_its_settings_to_the_loop():
         load_config(SpeedrunConfig, overrides=["sft.bf16=sometimes"])
 
 
+def test_the_speedrun_rl_stage_trains_no_prompt_twice_unless_told():
+    """The default preset's `steps = 48` over its 47 train tasks planned two epochs until
+    2026-12-08, so one task came back; `epochs = 1` (the default) plans each task once and the
+    loop ends when the plan does. `epochs = 0` is for a family smaller than `steps`."""
+    from opencomposer.rl.loop import RLConfig, _plan
+    from opencomposer.rl.stage import plan_epochs
+    from opencomposer.speedrun import SpeedrunConfig
+
+    cfg = load_config(SpeedrunConfig, path=Path(__file__).parents[2] / "configs" / "speedrun-default.toml").rl
+    assert cfg.epochs == 1 and cfg.steps > 47 and plan_epochs(cfg, 47) == 1
+    plan = _plan(47, RLConfig(model=Path("m"), tasks=Path("t"), epochs=plan_epochs(cfg, 47)))
+    assert sorted(plan) == list(range(47))
+    small = load_config(SpeedrunConfig, overrides=["rl.epochs=0", "rl.steps=48"]).rl
+    assert plan_epochs(small, 47) == 2 and plan_epochs(small, 5) == 10
+
+
 def test_the_trainer_and_a_replica_process_split_the_cores(monkeypatch):
     """With the replica in a process of its own the two compute at once: by default they split the
     CPUs this process may use; a replica in the driver or a Ray actor keeps torch's default, and

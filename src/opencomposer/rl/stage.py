@@ -20,6 +20,10 @@ class RLStageConfig:
     minutes: float | None = None
     """A wall-clock budget for the loop's training (`RLConfig.minutes`): it stops at `steps` or
     when this runs out, whichever comes first."""
+    epochs: int = 1
+    """Passes over the train split (`RLConfig.epochs`). 1: the report's single epoch, no prompt
+    trained twice; the run also ends when the split is used up, before `steps` or `minutes` if
+    it comes first. 0: as many passes as `steps` needs (a family smaller than `steps`)."""
     groups_per_step: int = 1
     group_size: int = 4
     max_inflight_groups: int = 2
@@ -129,6 +133,11 @@ def loop_config(cfg: RLStageConfig, agent, model: Path, tasks: Path, split: str,
                     curriculum=CurriculumConfig(skip_settled=cfg.skip_settled, settle_after=cfg.group_size))
 
 
+def plan_epochs(cfg: RLStageConfig, n_tasks: int) -> int:
+    """Passes over a train split of `n_tasks`: `cfg.epochs`, or (0) enough for `cfg.steps` groups."""
+    return cfg.epochs or max(1, math.ceil(cfg.steps * cfg.groups_per_step / n_tasks))
+
+
 def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, model: Path, tasks: Path,
         split: str = "train", progress=None, task_ids: tuple[str, ...] = ()) -> dict:
     """The RL loop on `split` of `tasks` (only `task_ids` of it where given)."""
@@ -142,8 +151,7 @@ def run(cfg: RLStageConfig, agent, run_dir: RunDir, metrics: MetricsWriter, mode
     if not n:
         raise RuntimeError(f"rl: no tasks in split {split!r} of {tasks}"
                            + (" among those kept for RL" if keep else ""))
-    # single epoch while the train split is large enough; a small family is visited again
-    epochs = max(1, math.ceil(cfg.steps * cfg.groups_per_step / n))
+    epochs = plan_epochs(cfg, n)
     rcfg = loop_config(cfg, agent, model, tasks, split, epochs, task_ids)
     out = run_dir.stage("rl")
     summary = run_loop(rcfg, out, progress=progress)
