@@ -130,8 +130,8 @@ def test_the_speedrun_rl_stage_hands_its_settings_to_the_loop():
 
 def test_the_speedrun_rl_stage_trains_no_prompt_twice_unless_told():
     """The default preset's `steps = 48` over its 47 train tasks planned two epochs until
-    2026-12-08, so one task came back; `epochs = 1` (the default) plans each task once and the
-    loop ends when the plan does. `epochs = 0` is for a family smaller than `steps`."""
+    2026-12-08, so one task came back; `epochs = 1` (the default) plans each task once (the
+    loop stops when its plan is used up). `epochs = 0` is for a family smaller than `steps`."""
     from opencomposer.rl.loop import RLConfig, _plan
     from opencomposer.rl.stage import plan_epochs
     from opencomposer.speedrun import SpeedrunConfig
